@@ -1,0 +1,268 @@
+"""The arithmetic of a masked (sparse) Adam step: one implementation for every front end.
+
+The optax transformation, the Flax helpers and the torch adapter all call
+`sparse_adam_leaf_step`, which updates one parameter from one BCOO gradient:
+
+  g      = coalesce(grad)                        (duplicates summed first)
+  g      = -g if maximize;  g += wd * p[rows] if L2 weight decay
+  m[r]  += (1 - b1) * (g - m[r])                 (touched rows r only)
+  v[r]  += (1 - b2) * (g^2 - v[r])
+  vmax[r] = max(vmax[r], v[r])                   (amsgrad only)
+  step_size = lr * sqrt(1 - b2^t) / (1 - b1^t)
+  delta[r]  = -step_size * m[r] / (sqrt(v[r]) + eps)   (vmax[r] with amsgrad)
+  delta[r] -= lr * wd * p[r]                     (decoupled weight decay only)
+
+This is `torch.optim.SparseAdam`'s arithmetic, in its order of operations:
+`eps` is added to `sqrt(v)`, not to `sqrt(v / (1 - b2^t))` as in `optax.adam`.
+"""
+
+import math
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.experimental import sparse
+
+from optax_sparse_adam import _bcoo
+from optax_sparse_adam._errors import path_str
+
+Scalar = float | jax.Array
+
+
+class AdamCoefficients(NamedTuple):
+  """The per-parameter constants of a step, as floats (exact, float64) or arrays.
+
+  `log_b1`/`log_b2` give the bias corrections as `1 - b^t = -expm1(t * log b)`,
+  which keeps full float32 precision where `1 - b**t` in float32 would lose the
+  low bits of `b2 = 0.999` to cancellation.
+  """
+
+  learning_rate: Scalar
+  one_minus_b1: Scalar
+  one_minus_b2: Scalar
+  log_b1: Scalar
+  log_b2: Scalar
+  eps: Scalar
+  weight_decay: Scalar
+
+
+class LeafState(NamedTuple):
+  """The optimizer state of one parameter.
+
+  Attributes:
+    step: int32 scalar, the number of steps this parameter has taken.
+    mu: first moment, the parameter's shape.
+    nu: second moment, the parameter's shape.
+    nu_max: running max of `nu` (amsgrad), or None.
+    row_step: int32 `(num_rows,)` steps of each row (per-row bias correction),
+      or None.
+  """
+
+  step: jax.Array
+  mu: jax.Array
+  nu: jax.Array
+  nu_max: jax.Array | None = None
+  row_step: jax.Array | None = None
+
+
+def _is_python_number(x: Any) -> bool:
+  return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _log(b: Scalar) -> Scalar:
+  if _is_python_number(b):
+    return math.log(b) if b > 0 else -math.inf
+  return jnp.log(b)
+
+
+def adam_coefficients(
+  learning_rate: Scalar, b1: Scalar, b2: Scalar, eps: Scalar, weight_decay: Scalar = 0.0
+) -> AdamCoefficients:
+  """Step constants from hyper-parameters; Python floats stay float64 until used."""
+  return AdamCoefficients(
+    learning_rate=learning_rate,
+    one_minus_b1=1.0 - b1,
+    one_minus_b2=1.0 - b2,
+    log_b1=_log(b1),
+    log_b2=_log(b2),
+    eps=eps,
+    weight_decay=weight_decay,
+  )
+
+
+def bias_corrected_step_size(coeffs: AdamCoefficients, step: jax.Array) -> jax.Array:
+  """`lr * sqrt(1 - b2^t) / (1 - b1^t)` in float32 (or wider), for a step array `t >= 1`."""
+  t = jnp.asarray(step).astype(jnp.result_type(float))
+  bias_correction1 = -jnp.expm1(t * coeffs.log_b1)
+  bias_correction2 = -jnp.expm1(t * coeffs.log_b2)
+  return coeffs.learning_rate * jnp.sqrt(bias_correction2) / bias_correction1
+
+
+def torch_step_size(learning_rate: float, b1: float, b2: float, step: int) -> float:
+  """The step size exactly as torch computes it on the host, in float64."""
+  return learning_rate * math.sqrt(1 - b2**step) / (1 - b1**step)
+
+
+def init_leaf_state(
+  param: jax.Array,
+  *,
+  sparse_dims: int | None = None,
+  mu_dtype: Any = None,
+  nu_dtype: Any = None,
+  amsgrad: bool = False,
+  per_row_bias_correction: bool = False,
+) -> LeafState:
+  """Zero moments with the parameter's shape (and sharding), and step 0.
+
+  `sparse_dims` is the number of leading dims that index rows for per-row bias
+  correction (1 for an embedding table); it is needed only with that option.
+  """
+  mu = jnp.zeros_like(param, dtype=mu_dtype or param.dtype)
+  nu = jnp.zeros_like(param, dtype=nu_dtype or param.dtype)
+  nu_max = jnp.zeros_like(nu) if amsgrad else None
+  row_step = None
+  if per_row_bias_correction:
+    num_rows = math.prod(param.shape[: 1 if sparse_dims is None else sparse_dims])
+    row_step = jnp.zeros((num_rows,), jnp.int32)
+  return LeafState(jnp.zeros([], jnp.int32), mu, nu, nu_max, row_step)
+
+
+def adam_rows(
+  grad_rows: jax.Array,
+  mu_rows: jax.Array,
+  nu_rows: jax.Array,
+  nu_max_rows: jax.Array | None,
+  step_size: jax.Array,
+  coeffs: AdamCoefficients,
+  *,
+  compute_dtype: Any,
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
+  """The Adam moment and parameter arithmetic on gathered rows, in torch's order.
+
+  Returns `(delta, mu, nu, nu_max)`: the signed parameter update (before any
+  decoupled weight decay) and the new moments, each in its storage dtype.
+  """
+
+  def c(x):
+    return jnp.asarray(x, compute_dtype)
+
+  g = grad_rows.astype(compute_dtype)
+  m = mu_rows.astype(compute_dtype)
+  v = nu_rows.astype(compute_dtype)
+  mu_new = (m + (g - m) * c(coeffs.one_minus_b1)).astype(mu_rows.dtype)
+  nu_new = (v + (g * g - v) * c(coeffs.one_minus_b2)).astype(nu_rows.dtype)
+  second = nu_new
+  nu_max_new = None
+  if nu_max_rows is not None:
+    nu_max_new = jnp.maximum(nu_max_rows, nu_new.astype(nu_max_rows.dtype))
+    second = nu_max_new
+  denom = jnp.sqrt(second.astype(compute_dtype)) + c(coeffs.eps)
+  delta = -c(step_size) * (mu_new.astype(compute_dtype) / denom)
+  return delta, mu_new, nu_new, nu_max_new
+
+
+def sparse_adam_leaf_step(
+  grad: sparse.BCOO,
+  state: LeafState,
+  param: jax.Array | None,
+  coeffs: AdamCoefficients,
+  *,
+  maximize: bool = False,
+  decoupled_weight_decay: bool = False,
+  step_size: jax.Array | None = None,
+  path: tuple = (),
+) -> tuple[sparse.BCOO, LeafState]:
+  """One masked Adam step of one parameter from its BCOO gradient.
+
+  Args:
+    grad: BCOO gradient of the parameter's shape, `n_batch == 0`.
+    state: the parameter's `LeafState`.
+    param: the parameter, needed only with weight decay.
+    coeffs: step constants (`adam_coefficients`).
+    maximize: ascend instead of descend.
+    decoupled_weight_decay: apply `coeffs.weight_decay` AdamW-style to the
+      touched rows instead of adding it to the gradient (L2).
+    step_size: an overriding bias-corrected step size for this step, e.g. one
+      computed on the host in float64 as torch does. Ignored with per-row bias
+      correction.
+    path: the leaf's pytree path, for error messages.
+
+  Returns:
+    `(update, new_state)`: a BCOO update with sorted unique indices holding the
+    signed deltas of the touched rows, and the new state. Only touched rows of
+    the moments change; the step advances also when the gradient is empty.
+  """
+  layout = _bcoo.row_layout(grad, state.mu.shape, path)
+  step = optax.safe_increment(state.step)
+  coalesced = _bcoo.coalesce_rows(
+    _bcoo.linear_rows(grad.indices, layout), grad.data, layout.num_rows
+  )
+  rows = coalesced.rows
+  compute_dtype = jnp.result_type(jnp.float32, grad.dtype, state.mu.dtype, state.nu.dtype)
+  g = coalesced.values.astype(compute_dtype)
+  if maximize:
+    g = -g
+  uses_weight_decay = not (_is_python_number(coeffs.weight_decay) and coeffs.weight_decay == 0)
+  param_rows = None
+  if uses_weight_decay:
+    if param is None:
+      raise ValueError(
+        f"Parameter at {path_str(path)} is needed for weight decay: pass params "
+        "to update(grads, state, params)."
+      )
+    param_rows = _bcoo.gather_rows(_bcoo.as_rows(param, layout), rows).astype(compute_dtype)
+    if not decoupled_weight_decay:
+      g = g + jnp.asarray(coeffs.weight_decay, compute_dtype) * param_rows
+
+  mu_table = _bcoo.as_rows(state.mu, layout)
+  nu_table = _bcoo.as_rows(state.nu, layout)
+  nu_max_table = None if state.nu_max is None else _bcoo.as_rows(state.nu_max, layout)
+  row_step = state.row_step
+  if row_step is not None:
+    if row_step.shape != (layout.num_rows,):
+      raise ValueError(
+        f"Sparse gradient at {path_str(path)} indexes {layout.num_rows} rows "
+        f"(sparse dims {layout.sparse_shape}) but per-row bias correction keeps "
+        f"{row_step.shape[0]} row steps, one per index of the leading dim. Use "
+        "n_sparse=1 gradients (bcoo_update_layout(grad, n_dense=ndim - 1))."
+      )
+    new_row_steps = optax.safe_increment(_bcoo.gather_rows(row_step, rows))
+    row_step_size = bias_corrected_step_size(coeffs, jnp.maximum(new_row_steps, 1))
+    step_size = row_step_size.reshape(row_step_size.shape + (1,) * len(layout.dense_shape))
+    row_step = _bcoo.scatter_rows(row_step, rows, new_row_steps)
+  elif step_size is None:
+    step_size = bias_corrected_step_size(coeffs, step)
+
+  delta, mu_rows, nu_rows, nu_max_rows = adam_rows(
+    g,
+    _bcoo.gather_rows(mu_table, rows),
+    _bcoo.gather_rows(nu_table, rows),
+    None if nu_max_table is None else _bcoo.gather_rows(nu_max_table, rows),
+    step_size,
+    coeffs,
+    compute_dtype=compute_dtype,
+  )
+  if uses_weight_decay and decoupled_weight_decay:
+    lr_wd = jnp.asarray(coeffs.learning_rate, compute_dtype) * jnp.asarray(
+      coeffs.weight_decay, compute_dtype
+    )
+    delta = delta - lr_wd * param_rows
+  valid = rows < layout.num_rows
+  delta = jnp.where(
+    valid.reshape(valid.shape + (1,) * len(layout.dense_shape)),
+    delta,
+    jnp.zeros((), delta.dtype),
+  ).astype(grad.dtype)
+
+  new_state = LeafState(
+    step=step,
+    mu=_bcoo.scatter_rows(mu_table, rows, mu_rows).reshape(state.mu.shape),
+    nu=_bcoo.scatter_rows(nu_table, rows, nu_rows).reshape(state.nu.shape),
+    nu_max=None
+    if nu_max_table is None
+    else _bcoo.scatter_rows(nu_max_table, rows, nu_max_rows).reshape(state.nu.shape),
+    row_step=row_step,
+  )
+  update = _bcoo.rows_to_bcoo(_bcoo.CoalescedRows(rows, delta), layout)
+  return update, new_state
