@@ -21,7 +21,7 @@ class NumpySparseAdam:
     self.lr, self.betas, self.eps, self.maximize = lr, betas, eps, maximize
 
   def step(self, indices, values, lr=None):
-    """One step. indices: (nse, n_sparse), out-of-range or negative = padding; values: (nse, *dense)."""
+    """One step; indices (nse, n_sparse), out-of-range ones are padding; values (nse, *dense)."""
     lr = self.lr if lr is None else lr
     b1, b2 = self.betas
     self.step_count += 1
