@@ -25,8 +25,8 @@ class NumpySparseAdam:
     lr = self.lr if lr is None else lr
     b1, b2 = self.betas
     self.step_count += 1
-    indices = np.asarray(indices).reshape(len(values), -1)
     values = np.asarray(values, dtype=self.dtype)
+    indices = np.asarray(indices)
     n_sparse = indices.shape[1]
     sparse_shape = self.param.shape[:n_sparse]
     keep = np.all((indices >= 0) & (indices < np.array(sparse_shape)), axis=1)
