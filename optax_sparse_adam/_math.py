@@ -132,7 +132,8 @@ def init_leaf_state(
       row_step = jnp.zeros((num_rows,), jnp.int32, out_sharding=sharding)
     else:
       row_step = jnp.zeros((num_rows,), jnp.int32, device=sharding)
-  return LeafState(jnp.zeros([], jnp.int32), mu, nu, nu_max, row_step)
+  step = jnp.zeros([], jnp.int32, device=_sharding.replicated_like(param))
+  return LeafState(step, mu, nu, nu_max, row_step)
 
 
 def adam_rows(

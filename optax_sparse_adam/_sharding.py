@@ -58,6 +58,20 @@ def call_with_auto_axes(fn: Callable[..., Any], args: tuple, out_specs: Any) -> 
   return jax.sharding.auto_axes(fn, axes=axes, out_sharding=out_specs)(*args)
 
 
+def replicated_like(*arrays: Any) -> NamedSharding | None:
+  """A replicated `NamedSharding` on the mesh of the first of `arrays` on a mesh, or None.
+
+  For the state's scalars (step counts): a jitted step returns them replicated
+  on the params' mesh, so they start there too, else the second step would
+  see new input shardings and compile again.
+  """
+  for array in arrays:
+    sharding = None if isinstance(array, jax.core.Tracer) else getattr(array, "sharding", None)
+    if isinstance(sharding, NamedSharding):
+      return NamedSharding(sharding.mesh, PartitionSpec())
+  return None
+
+
 def leading_dims_sharding(param: Any, num_dims: int) -> NamedSharding | PartitionSpec | None:
   """The sharding of a `(prod(param.shape[:num_dims]),)` array split like `param`'s rows.
 
