@@ -146,3 +146,26 @@ def test_single_device_state_is_unchanged_by_sharding_support():
   assert state.row_step["table"].shape == (6,)
   assert state.row_step["table"].sharding == params["table"].sharding
   assert _sharding.explicit_axes() == ()
+
+
+@pytest.mark.slow
+def test_two_processes_with_jax_distributed_match_one_device():
+  """Stretch goal: jax.distributed over 2 local processes (gloo), 4 CPU devices each."""
+  done = subprocess.run(
+    [sys.executable, str(ROOT / "examples" / "two_process_sharded.py"), "--json"],
+    capture_output=True,
+    text=True,
+    env=dict(os.environ, PYTHONPATH=str(ROOT)),
+    timeout=300,
+    check=False,
+  )
+  assert done.returncode == 0, done.stderr[-4000:]
+  reports = json.loads(done.stdout.strip().splitlines()[-1])
+  assert sorted(r["process"] for r in reports) == [0, 1]
+  for report in reports:
+    assert report["global_devices"] == NUM_DEVICES
+    assert report["local_devices"] == NUM_DEVICES // 2
+    assert report["local_rows"] == 4096 // 2
+    assert report["moments_spec"] == "P('x', None)"
+    for name, diff in report["max_abs_diff"].items():
+      assert diff <= ATOL, (name, diff)
