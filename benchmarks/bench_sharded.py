@@ -180,7 +180,6 @@ def main():
     f"{'layout':<29} {'step ms':>8} {'vs 1 dev':>8} | {'inputs MiB':>10} {'vs 1 dev':>8} "
     f"{'scratch MiB':>11} | {'collectives MiB':>15}"
   )
-  print("per device:" + " " * 49 + "(table, m, v, batch)  (temporaries)   (per step)")
   print(header)
   print("-" * len(header))
   for layout in layouts:
@@ -190,6 +189,10 @@ def main():
       f"{layout.input_bytes / 2**20:>10.1f} {layout.input_bytes / reference.input_bytes:>7.3f}x "
       f"{layout.scratch_bytes / 2**20:>11.1f} | {layout.collective_bytes / 2**20:>15.3f}"
     )
+  print(
+    "\ninputs: table, m, v and batch held per device; scratch: the step's temporaries per\n"
+    "device; collectives: bytes of the arrays all collectives of one step produce."
+  )
   print(
     "\nWhat this CPU simulation shows: memory per device and bytes exchanged, both XLA's own\n"
     "accounting of the compiled step, which hold on GPUs and TPUs too. What it does not\n"
