@@ -30,12 +30,13 @@ def explicit_axes() -> tuple[str, ...]:
   mesh = _context_mesh()
   if mesh is None or mesh.empty:
     return ()
-  return tuple(mesh.explicit_axes)
+  return tuple(getattr(mesh, "explicit_axes", ()))
 
 
 def spec_of(x: Any) -> PartitionSpec:
   """The `PartitionSpec` in `x`'s type under an explicit mesh; `P()` otherwise."""
-  sharding = getattr(jax.typeof(x), "sharding", None)
+  typeof = getattr(jax, "typeof", None)  # JAX versions without it have no Explicit axes
+  sharding = None if typeof is None else getattr(typeof(x), "sharding", None)
   spec = getattr(sharding, "spec", None)
   return PartitionSpec() if spec is None else spec
 
@@ -83,8 +84,10 @@ def leading_dims_sharding(param: Any, num_dims: int) -> NamedSharding | Partitio
   whose sharding XLA chooses).
   """
   if isinstance(param, jax.core.Tracer):
+    if not explicit_axes():
+      return None
     spec = spec_of(param)
-    if not explicit_axes() or spec == PartitionSpec():
+    if spec == PartitionSpec():
       return None
     return PartitionSpec(_flattened_axis(spec, num_dims))
   sharding = getattr(param, "sharding", None)
