@@ -20,6 +20,7 @@ import numpy as np
 from jax import lax
 from jax.experimental import sparse
 
+from optax_sparse_adam import _sharding
 from optax_sparse_adam._errors import describe, path_str
 
 BCOO = sparse.BCOO
@@ -209,8 +210,17 @@ def scatter_add_bcoo(param: jax.Array, update: BCOO, path: Sequence[Any] = ()) -
   """`param + update` for a BCOO update, by scatter-add: never densifies the update.
 
   Repeated indices add up; out-of-range indices are dropped (BCOO padding).
+  The result has `param`'s sharding.
   """
   layout = row_layout(update, param.shape, path)
+  return _sharding.call_with_auto_axes(
+    lambda param, update: _scatter_add_rows(param, update, layout),
+    (param, update),
+    _sharding.spec_of(param),
+  )
+
+
+def _scatter_add_rows(param: jax.Array, update: BCOO, layout: RowLayout) -> jax.Array:
   rows = linear_rows(update.indices, layout)
   out = (
     as_rows(param, layout)

@@ -23,8 +23,9 @@ import jax
 import jax.numpy as jnp
 import optax
 from jax.experimental import sparse
+from jax.sharding import PartitionSpec
 
-from optax_sparse_adam import _bcoo
+from optax_sparse_adam import _bcoo, _sharding
 from optax_sparse_adam._errors import path_str
 
 Scalar = float | jax.Array
@@ -123,9 +124,16 @@ def init_leaf_state(
   nu_max = jnp.zeros_like(nu) if amsgrad else None
   row_step = None
   if per_row_bias_correction:
-    num_rows = math.prod(param.shape[: 1 if sparse_dims is None else sparse_dims])
-    row_step = jnp.zeros((num_rows,), jnp.int32)
-  return LeafState(jnp.zeros([], jnp.int32), mu, nu, nu_max, row_step)
+    num_dims = 1 if sparse_dims is None else sparse_dims
+    num_rows = math.prod(param.shape[:num_dims])
+    # Split like the table's rows, so that a row-sharded table's row steps are too.
+    sharding = _sharding.leading_dims_sharding(param, num_dims)
+    if isinstance(sharding, PartitionSpec):
+      row_step = jnp.zeros((num_rows,), jnp.int32, out_sharding=sharding)
+    else:
+      row_step = jnp.zeros((num_rows,), jnp.int32, device=sharding)
+  step = jnp.zeros([], jnp.int32, device=_sharding.replicated_like(param))
+  return LeafState(step, mu, nu, nu_max, row_step)
 
 
 def adam_rows(
@@ -191,8 +199,45 @@ def sparse_adam_leaf_step(
   Returns:
     `(update, new_state)`: a BCOO update with sorted unique indices holding the
     signed deltas of the touched rows, and the new state. Only touched rows of
-    the moments change; the step advances also when the gradient is empty.
+    the moments change; the step advances also when the gradient is empty. The
+    new state has the sharding of `state`; under a mesh with `Explicit` axes the
+    update is replicated (it holds the gradient's entries, not the table's).
   """
+  kwargs = dict(
+    coeffs=coeffs,
+    maximize=maximize,
+    decoupled_weight_decay=decoupled_weight_decay,
+    step_size=step_size,
+    path=path,
+  )
+  if not _sharding.explicit_axes():
+    return _leaf_step(grad, state, param, **kwargs)
+
+  def leaf_step_arrays(grad, state, param):
+    update, new_state = _leaf_step(grad, state, param, **kwargs)
+    return (update.data, update.indices), new_state
+
+  replicated = PartitionSpec()
+  state_specs = jax.tree_util.tree_map(_sharding.spec_of, state)
+  (data, indices), new_state = _sharding.call_with_auto_axes(
+    leaf_step_arrays, (grad, state, param), ((replicated, replicated), state_specs)
+  )
+  update = sparse.BCOO((data, indices), shape=grad.shape, indices_sorted=True, unique_indices=True)
+  return update, new_state
+
+
+def _leaf_step(
+  grad: sparse.BCOO,
+  state: LeafState,
+  param: jax.Array | None,
+  *,
+  coeffs: AdamCoefficients,
+  maximize: bool,
+  decoupled_weight_decay: bool,
+  step_size: jax.Array | None,
+  path: tuple,
+) -> tuple[sparse.BCOO, LeafState]:
+  """`sparse_adam_leaf_step`, traced in the caller's sharding mode."""
   layout = _bcoo.row_layout(grad, state.mu.shape, path)
   step = optax.safe_increment(state.step)
   coalesced = _bcoo.coalesce_rows(

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import optax
 from jax.experimental import sparse
 
-from optax_sparse_adam import _bcoo, _math
+from optax_sparse_adam import _bcoo, _math, _sharding
 from optax_sparse_adam._errors import describe, path_str
 
 ScalarOrSchedule = float | jax.Array | optax.Schedule
@@ -124,7 +124,9 @@ def _scale_by_sparse_adam(
       return jax.tree_util.tree_unflatten(treedef, values)
 
     return SparseAdamState(
-      count=jnp.zeros([], jnp.int32),
+      count=jnp.zeros(
+        [], jnp.int32, device=_sharding.replicated_like(*(leaf for _, leaf in leaves_with_path))
+      ),
       step=field("step"),
       mu=field("mu"),
       nu=field("nu"),

@@ -1,0 +1,208 @@
+"""Sharded sparse_adam step against the single-device step, on 8 forced CPU devices.
+
+One training step of an embedding table (gather rows, gradient of the rows as a
+BCOO, sparse_adam, scatter-add), jitted with the table and its state donated,
+in five layouts:
+
+  1 device            everything on one device (the reference);
+  rows                table, m, v split by rows, P('x', None), batch over 'x';
+  columns             split on the embedding dim, P(None, 'x'), batch over 'x';
+  replicated          table on every device, data-parallel batch;
+  replicated, dense   the same with a dense gradient and optax.adam: the usual
+                      data-parallel recipe, for contrast.
+
+For each it prints the step time (median over interleaved rounds), the memory
+the compiled step holds per device (its inputs plus scratch, from XLA's
+memory analysis), and the bytes of the arrays its collectives produce (from
+the compiled HLO). The last two are the compiler's own accounting and carry
+over to GPUs and TPUs; the times do not (see the note printed at the end).
+
+  python benchmarks/bench_sharded.py              # about a minute
+  python benchmarks/bench_sharded.py --rows 1000000 --rounds 10
+"""
+
+import os
+
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+  ).strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import argparse  # noqa: E402
+import re  # noqa: E402
+import statistics  # noqa: E402
+import time  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from jax.experimental import sparse  # noqa: E402
+from jax.sharding import AxisType, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import optax_sparse_adam as osa  # noqa: E402
+
+COLLECTIVE = re.compile(
+  r"=\s*(?P<type>.*?)\s+(?P<op>all-gather|all-reduce|all-to-all|reduce-scatter|"
+  r"collective-permute)(?:-start)?\("
+)
+ARRAY_TYPE = re.compile(r"(?P<dtype>[a-z]+\d*)\[(?P<dims>[\d,]*)\]")
+DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2}
+
+
+def parse_args():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--rows", type=int, default=262_144)
+  parser.add_argument("--dim", type=int, default=64)
+  parser.add_argument("--batch", type=int, default=8192)
+  parser.add_argument("--rounds", type=int, default=5)
+  parser.add_argument("--steps-per-round", type=int, default=5)
+  return parser.parse_args()
+
+
+def collective_bytes(hlo_text):
+  """Total bytes of the arrays that the collectives of an HLO module produce."""
+  total = 0
+  for line in hlo_text.splitlines():
+    match = COLLECTIVE.search(line)
+    if match is None:
+      continue
+    for array in ARRAY_TYPE.finditer(match["type"]):
+      dims = [int(d) for d in array["dims"].split(",") if d]
+      total += int(np.prod(dims)) * DTYPE_BYTES.get(array["dtype"], 4)
+  return total
+
+
+def loss_of_rows(rows, targets):
+  return jnp.mean((jnp.sum(rows, axis=-1) - targets) ** 2)
+
+
+def sparse_step(optimizer):
+  def step(table, state, ids, targets):
+    # Gradient with respect to the gathered rows: with the ids it is the
+    # table's gradient as a BCOO, never a dense table-sized array.
+    grad_rows = jax.grad(loss_of_rows)(table[ids], targets)
+    grad = sparse.BCOO((grad_rows, ids[:, None]), shape=table.shape)
+    updates, state = optimizer.update({"table": grad}, state)
+    return osa.apply_updates({"table": table}, updates)["table"], state
+
+  return step
+
+
+def dense_step(optimizer):
+  def step(table, state, ids, targets):
+    grad = jax.grad(lambda t: loss_of_rows(t[ids], targets))(table)
+    updates, state = optimizer.update({"table": grad}, state)
+    return optax.apply_updates({"table": table}, updates)["table"], state
+
+  return step
+
+
+class Layout:
+  """One step function with its inputs placed on devices, compiled once."""
+
+  def __init__(self, name, step, optimizer, table, batch, put_table, put_batch, steps_scale=1.0):
+    self.name = name
+    self.steps_scale = steps_scale
+    self.table = put_table(table)
+    self.state = optimizer.init({"table": self.table})
+    self.batch = [put_batch(x) for x in batch]
+    self.step = jax.jit(step, donate_argnums=(0, 1))
+    self.run(1)  # compile and warm up
+    compiled = self.step.lower(self.table, self.state, *self.batch).compile()
+    memory = compiled.memory_analysis()
+    self.input_bytes = memory.argument_size_in_bytes
+    self.scratch_bytes = memory.temp_size_in_bytes
+    self.collective_bytes = collective_bytes(compiled.as_text())
+    self.seconds = []
+
+  def run(self, steps):
+    for _ in range(steps):
+      self.table, self.state = self.step(self.table, self.state, *self.batch)
+    jax.block_until_ready((self.table, self.state))
+
+  def time(self, steps):
+    steps = max(1, round(steps * self.steps_scale))
+    start = time.perf_counter()
+    self.run(steps)
+    self.seconds.append((time.perf_counter() - start) / steps)
+
+
+def main():
+  args = parse_args()
+  devices = jax.devices()
+  rng = np.random.default_rng(0)
+  table = rng.normal(size=(args.rows, args.dim)).astype(np.float32)
+  # Zipf-like ids: a few rows recur in every batch shard, as in recommenders.
+  popularity = 1.0 / np.arange(1, args.rows + 1) ** 1.05
+  ids = rng.choice(args.rows, size=args.batch, p=popularity / popularity.sum())
+  batch = (ids.astype(np.int32), rng.normal(size=args.batch).astype(np.float32))
+
+  mesh = jax.make_mesh((len(devices),), ("x",), axis_types=(AxisType.Auto,))
+
+  def on_mesh(spec):
+    return lambda x: jax.device_put(x, NamedSharding(mesh, spec))
+
+  def on_one_device(x):
+    return jax.device_put(x, devices[0])
+
+  sparse_adam = osa.sparse_adam(1e-3)
+  layouts = [
+    Layout("1 device", sparse_step(sparse_adam), sparse_adam, table, batch, on_one_device,
+           on_one_device),
+    Layout("rows P('x', None)", sparse_step(sparse_adam), sparse_adam, table, batch,
+           on_mesh(P("x", None)), on_mesh(P("x"))),
+    Layout("columns P(None, 'x')", sparse_step(sparse_adam), sparse_adam, table, batch,
+           on_mesh(P(None, "x")), on_mesh(P("x"))),
+    Layout("replicated, data-parallel", sparse_step(sparse_adam), sparse_adam, table, batch,
+           on_mesh(P()), on_mesh(P("x"))),
+    Layout("replicated, dense optax.adam", dense_step(optax.adam(1e-3)), optax.adam(1e-3),
+           table, batch, on_mesh(P()), on_mesh(P("x")), steps_scale=0.2),
+  ]  # fmt: skip
+  # Rounds interleave the layouts, so that load from other processes on the
+  # machine spreads over all of them rather than skewing one.
+  for _ in range(args.rounds):
+    for layout in layouts:
+      layout.time(args.steps_per_round)
+
+  table_mib = table.nbytes / 2**20
+  print(
+    f"\n{len(devices)} x {devices[0].device_kind} devices; table {args.rows} x {args.dim} "
+    f"float32 ({table_mib:.0f} MiB, {3 * table_mib:.0f} MiB with m and v); batch "
+    f"{args.batch} ids ({len(np.unique(ids))} distinct); median of {args.rounds} rounds "
+    f"of {args.steps_per_round} steps\n"
+  )
+  reference = layouts[0]
+  reference_ms = 1e3 * statistics.median(reference.seconds)
+  header = (
+    f"{'layout':<29} {'step ms':>8} {'vs 1 dev':>8} | {'inputs MiB':>10} {'vs 1 dev':>8} "
+    f"{'scratch MiB':>11} | {'collectives MiB':>15}"
+  )
+  print(header)
+  print("-" * len(header))
+  for layout in layouts:
+    ms = 1e3 * statistics.median(layout.seconds)
+    print(
+      f"{layout.name:<29} {ms:>8.1f} {ms / reference_ms:>7.2f}x | "
+      f"{layout.input_bytes / 2**20:>10.1f} {layout.input_bytes / reference.input_bytes:>7.3f}x "
+      f"{layout.scratch_bytes / 2**20:>11.1f} | {layout.collective_bytes / 2**20:>15.3f}"
+    )
+  print(
+    "\ninputs: table, m, v and batch held per device; scratch: the step's temporaries per\n"
+    "device; collectives: bytes of the arrays all collectives of one step produce."
+  )
+  print(
+    "\nWhat this CPU simulation shows: memory per device and bytes exchanged, XLA's own\n"
+    "accounting of the compiled step. They follow from the SPMD partitioner's plan, not\n"
+    "from the hardware, so they should carry over to GPUs and TPUs (not measured there).\n"
+    "What it does not show: speed. The 8 'devices' are threads of one process sharing\n"
+    f"this machine's {os.cpu_count()} cores and one memory, and collectives are memory\n"
+    "copies, so a sharded step cannot run faster here: its time mostly measures the\n"
+    "partitioning overhead (extra collectives, the id sort on every device)."
+  )
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,108 @@
+"""Sharded parameters: the optimizer's arrays follow the parameters' sharding, under any mesh.
+
+No communication is written here: XLA's SPMD partitioner does all of it. Under a
+mesh whose axes are `Auto` it partitions a step's row gathers and scatters by
+itself, so a row-sharded table and its moments are updated where they live and
+only gradient-sized arrays cross devices.
+
+Under `Explicit` axes (what `jax.make_mesh` gives by default in recent JAX),
+JAX types each array's sharding and refuses a sort or a gather over a sharded
+dimension, which coalescing a gradient needs. `call_with_auto_axes` runs such a
+step with those axes switched to `Auto`, so the same partitioner does the same
+work, and hands each output back with the sharding the caller names: the
+moments keep their parameter's sharding from step to step.
+"""
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+from jax.sharding import NamedSharding, PartitionSpec
+
+
+def _context_mesh() -> Any:
+  get_abstract_mesh = getattr(jax.sharding, "get_abstract_mesh", None)
+  return None if get_abstract_mesh is None else get_abstract_mesh()
+
+
+def explicit_axes() -> tuple[str, ...]:
+  """The `Explicit` axes of the mesh set with `jax.set_mesh`; empty without one."""
+  mesh = _context_mesh()
+  if mesh is None or mesh.empty:
+    return ()
+  return tuple(getattr(mesh, "explicit_axes", ()))
+
+
+def spec_of(x: Any) -> PartitionSpec:
+  """The `PartitionSpec` in `x`'s type under an explicit mesh; `P()` otherwise."""
+  typeof = getattr(jax, "typeof", None)  # JAX versions without it have no Explicit axes
+  sharding = None if typeof is None else getattr(typeof(x), "sharding", None)
+  spec = getattr(sharding, "spec", None)
+  return PartitionSpec() if spec is None else spec
+
+
+def call_with_auto_axes(fn: Callable[..., Any], args: tuple, out_specs: Any) -> Any:
+  """`fn(*args)`, partitioned by XLA even where the context mesh's axes are `Explicit`.
+
+  Args:
+    fn: a function of arrays.
+    args: its positional arguments.
+    out_specs: a tree of `PartitionSpec` with the structure of `fn`'s output
+      (None leaves for None outputs): the sharding each output gets.
+
+  Returns:
+    `fn(*args)`; called as is when no mesh axis is `Explicit`.
+  """
+  axes = explicit_axes()
+  if not axes:
+    return fn(*args)
+  return jax.sharding.auto_axes(fn, axes=axes, out_sharding=out_specs)(*args)
+
+
+def replicated_like(*arrays: Any) -> NamedSharding | None:
+  """A replicated `NamedSharding` on the mesh of the first of `arrays` on a mesh, or None.
+
+  For the state's scalars (step counts): a jitted step returns them replicated
+  on the params' mesh, so they start there too, else the second step would
+  see new input shardings and compile again.
+  """
+  for array in arrays:
+    sharding = None if isinstance(array, jax.core.Tracer) else getattr(array, "sharding", None)
+    if isinstance(sharding, NamedSharding):
+      return NamedSharding(sharding.mesh, PartitionSpec())
+  return None
+
+
+def leading_dims_sharding(param: Any, num_dims: int) -> NamedSharding | PartitionSpec | None:
+  """The sharding of a `(prod(param.shape[:num_dims]),)` array split like `param`'s rows.
+
+  For per-row state (one entry per row of a table): a table sharded on its
+  rows (`P('x', None)`) gives `P('x')`, one sharded on its columns gives a
+  replicated vector. Returns a `NamedSharding` for a concrete array, a
+  `PartitionSpec` for a value traced under an explicit mesh, and None when
+  nothing is known (a single device, or a value traced under `Auto` axes,
+  whose sharding XLA chooses).
+  """
+  if isinstance(param, jax.core.Tracer):
+    if not explicit_axes():
+      return None
+    spec = spec_of(param)
+    if spec == PartitionSpec():
+      return None
+    return PartitionSpec(_flattened_axis(spec, num_dims))
+  sharding = getattr(param, "sharding", None)
+  if not isinstance(sharding, NamedSharding):
+    return None
+  return NamedSharding(sharding.mesh, PartitionSpec(_flattened_axis(sharding.spec, num_dims)))
+
+
+def _flattened_axis(spec: PartitionSpec, num_dims: int) -> Any:
+  """The mesh axes of dims `[:num_dims]` flattened into one, when only the first is split.
+
+  Splitting a later dim too would interleave shards in the flattened order, so
+  such a vector is replicated instead (it is small: one entry per row).
+  """
+  entries = tuple(spec) + (None,) * max(0, num_dims - len(spec))
+  if any(entry is not None for entry in entries[1:num_dims]):
+    return None
+  return entries[0]
