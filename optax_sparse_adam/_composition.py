@@ -436,8 +436,8 @@ def sparse_multi_steps(
     >>> float(abs(u.todense()).sum())
     0.0
     >>> u, state = opt.update(g, state)
-    >>> u.todense()[2]
-    Array([-0.1], dtype=float32)
+    >>> round(float(u.todense()[2, 0]), 4)
+    -0.1
 
   References:
     `optax.MultiSteps`, https://optax.readthedocs.io/en/latest/api/optimizer_wrappers.html
