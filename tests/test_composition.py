@@ -351,8 +351,7 @@ def test_optax_multi_steps_refused_with_pointer_to_sparse_multi_steps():
 
 def test_sparse_multi_steps_equals_mean_gradient_step(jit):
   params = params_tree()
-  k = 3
-  cycles = 2 if jit else 1  # eager lax.cond is slow; jit covers two cycles
+  k, cycles = (3, 2) if jit else (2, 1)  # eager lax.cond is slow; jit covers more
   opt = osa.sparse_multi_steps(
     optax.multi_transform(
       {"sparse": osa.sparse_adam(0.1), "dense": optax.adam(0.1)},
