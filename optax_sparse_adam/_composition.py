@@ -84,21 +84,19 @@ class _Lifted(NamedTuple):
   rows: list[jax.Array | None]
   values: list[Any]
   params: list[Any]
-  sparse_flags: list[bool]
 
 
 def _lift(updates: Any, params: Any, who: str) -> _Lifted:
   """Coalesces every BCOO leaf; gathers the matching rows of its parameter."""
   leaves_with_path, treedef = _flatten(updates)
   param_leaves = _param_leaves(treedef, params)
-  layouts, rows, values, lifted_params, flags = [], [], [], [], []
+  layouts, rows, values, lifted_params = [], [], [], []
   for (path, grad), param in zip(leaves_with_path, param_leaves, strict=True):
     if not isinstance(grad, sparse.BCOO):
       layouts.append(None)
       rows.append(None)
       values.append(grad)
       lifted_params.append(param)
-      flags.append(False)
       continue
     layout = _row_layout(grad, _param_shape(grad, param), path, who)
     coalesced = _bcoo.coalesce_rows(
@@ -112,8 +110,7 @@ def _lift(updates: Any, params: Any, who: str) -> _Lifted:
       if param is None
       else _bcoo.gather_rows(_bcoo.as_rows(jnp.asarray(param), layout), coalesced.rows)
     )
-    flags.append(True)
-  return _Lifted(treedef, layouts, rows, values, lifted_params, flags)
+  return _Lifted(treedef, layouts, rows, values, lifted_params)
 
 
 def _row_layout(grad: sparse.BCOO, shape: Sequence[int], path: Any, who: str) -> _bcoo.RowLayout:
@@ -509,7 +506,9 @@ def sparse_multi_steps(
     acc_leaves = treedef.flatten_up_to(state.acc_grads)
     new_acc, cycle_grads = [], []
     for (path, grad), acc in zip(leaves_with_path, acc_leaves, strict=True):
-      if isinstance(acc, RowBuffer):
+      if grad is None:
+        new_acc.append(acc)
+      elif isinstance(acc, RowBuffer):
         new_acc.append(_buffer_rows(grad, acc, state.mini_step, every_k, path, who))
       elif isinstance(grad, sparse.BCOO):
         raise TypeError(
@@ -520,7 +519,9 @@ def sparse_multi_steps(
         new_acc.append(acc + jnp.asarray(grad).astype(acc.dtype))
     scale = 1.0 / every_k if use_grad_mean else 1.0
     for (_, grad), acc in zip(leaves_with_path, new_acc, strict=True):
-      if isinstance(acc, RowBuffer):
+      if grad is None:
+        cycle_grads.append(None)
+      elif isinstance(acc, RowBuffer):
         cycle_grads.append(
           sparse.BCOO(
             (
