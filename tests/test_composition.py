@@ -442,3 +442,33 @@ def test_corrupted_indices_are_refused_clearly(entry, jit):
   fn = jax.jit(ENTRY_POINTS[entry]) if jit else ENTRY_POINTS[entry]
   with pytest.raises(TypeError, match=r"\['table'\] has indices of dtype float32.*lift_to_bcoo"):
     fn({"table": corrupted(make_grad(0))}, params)
+
+
+def test_documented_composition_compiles_once_and_keeps_untouched_rows():
+  """The example of docs/composition.md, in a jitted training loop."""
+  opt = osa.sparse_apply_if_finite(
+    optax.chain(
+      osa.lift_to_bcoo(optax.clip_by_global_norm(1.0)),
+      optax.multi_transform(
+        {"sparse": osa.sparse_adam(1e-3), "dense": optax.adam(1e-3)},
+        {"table": "sparse", "bias": "dense"},
+      ),
+    ),
+    max_consecutive_errors=5,
+  )
+  params = params_tree()
+
+  @jax.jit
+  def step(params, state, grads):
+    updates, state = opt.update(grads, state, params)
+    return osa.apply_updates(params, updates), state
+
+  p, state = params, opt.init(params)
+  touched = np.zeros(NUM_ROWS, bool)
+  for seed in range(3):
+    g = make_grad(seed)
+    touched |= densify(g)[1]
+    p, state = step(p, state, {"table": g, "bias": bias_grad(seed)})
+  assert step._cache_size() == 1
+  assert_untouched_exact(p["table"], params["table"], touched)
+  assert not np.array_equal(np.asarray(p["table"])[touched], np.asarray(params["table"])[touched])
