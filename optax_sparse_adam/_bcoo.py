@@ -89,8 +89,9 @@ def row_layout(grad: BCOO, param_shape: Sequence[int], path: Sequence[Any] = ())
     raise TypeError(
       f"Sparse gradient at {where} has indices of dtype {grad.indices.dtype}; "
       "expected an integer dtype. A transform earlier in the chain probably "
-      "mapped over the BCOO's indices (optax.scale does this): use the "
-      "BCOO-aware transforms of optax_sparse_adam instead."
+      "mapped over the BCOO's indices (optax.scale does this): wrap such "
+      "transforms in optax_sparse_adam.lift_to_bcoo, e.g. "
+      "lift_to_bcoo(optax.scale(-1.0)), which acts on the rows' values only."
     )
   if not jnp.issubdtype(grad.data.dtype, jnp.floating):
     raise TypeError(

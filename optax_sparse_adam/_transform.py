@@ -156,7 +156,9 @@ def _scale_by_sparse_adam(
           f"instead: the gradient at {path_str(path)} is dense "
           f"({describe(grad)}). Give it to optax.adam, or route dense and sparse "
           "leaves apart with optax.multi_transform({'sparse': sparse_adam(...), "
-          "'dense': optax.adam(...)}, labels)."
+          "'dense': optax.adam(...)}, labels). If it is wrapped in "
+          "optax.MultiSteps, which accumulates gradients densely, use "
+          "optax_sparse_adam.sparse_multi_steps instead."
         )
       _bcoo.row_layout(grad, mu.shape, path)
 
