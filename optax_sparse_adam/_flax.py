@@ -24,8 +24,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import optax
-from flax import nnx, struct
 from flax import linen as nn
+from flax import nnx, struct
 from flax.core import meta
 from flax.training import train_state
 from jax import lax
@@ -611,6 +611,16 @@ class SparseTrainState(train_state.TrainState):
   'dense': optax.adamw(...)}, table_labels)`; feed it the grads of
   `sparse_value_and_grad`. Inside `jax.jit`, donate the state.
   """
+
+  @classmethod
+  def create(cls, *, apply_fn: Any, params: Any, tx: Any, **kwargs: Any) -> "SparseTrainState":
+    """Like `TrainState.create`, with `step` an int32 array.
+
+    `TrainState.create` starts `step` as the Python int 0, which makes a jitted
+    train step compile twice (int, then array); an array compiles once.
+    """
+    state = super().create(apply_fn=apply_fn, params=params, tx=tx, **kwargs)
+    return state.replace(step=jnp.zeros([], jnp.int32))
 
   def apply_gradients(self, *, grads: Any, **kwargs: Any) -> "SparseTrainState":
     """Returns the state after one optimizer step: `step + 1`, new params and opt_state.
