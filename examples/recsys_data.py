@@ -1,4 +1,4 @@
-"""Ratings for the recommender examples: synthetic (Zipf popularity, planted low-rank taste) or MovieLens.
+"""Ratings for the recommender examples: synthetic (Zipf popularity, planted taste) or MovieLens.
 
 Shared by `recommender_nnx.py` and `recommender_linen.py`; not an example by itself.
 """
@@ -95,8 +95,8 @@ def print_curves(title: str, curves: dict[str, list[float]], every: int) -> None
   """Prints losses side by side, one row per `every` steps (mean over the window)."""
   names = list(curves)
   print(f"\n{title}")
-  print("  step  " + "".join(f"{name:>22}" for name in names))
+  print("  step  " + "".join(f"{name:>30}" for name in names))
   steps = len(next(iter(curves.values())))
   for end in range(every, steps + 1, every):
-    row = "".join(f"{np.mean(curves[n][end - every : end]):>22.4f}" for n in names)
+    row = "".join(f"{np.mean(curves[n][end - every : end]):>30.4f}" for n in names)
     print(f"{end:>6}  {row}")
