@@ -213,6 +213,35 @@ def test_has_aux_and_mutable_state_are_returned_like_nnx_value_and_grad():
   assert int(model.calls[...]) == 2
 
 
+def test_dropout_rng_state_advances_like_nnx_value_and_grad():
+  class WithDropout(nnx.Module):
+    def __init__(self, embed_cls, rngs):
+      self.embed = embed_cls(NUM_ITEMS, DIM, rngs=rngs)
+      self.dropout = nnx.Dropout(0.5, rngs=rngs)
+
+    def __call__(self, ids):
+      return self.dropout(self.embed(ids))
+
+  model = WithDropout(osa.SparseEmbed, nnx.Rngs(0, dropout=1))
+  twin = WithDropout(nnx.Embed, nnx.Rngs(0, dropout=1))
+  ids = jnp.array([2, 3, 3])
+
+  def loss(model):
+    return jnp.sum(model(ids) ** 2)
+
+  for _ in range(2):  # each call draws a fresh mask, the same one on both sides
+    value, grads = nnx.jit(osa.sparse_value_and_grad(loss))(model)
+    twin_value, twin_grads = nnx.jit(nnx.value_and_grad(loss))(twin)
+    np.testing.assert_allclose(value, twin_value, rtol=1e-6)
+    np.testing.assert_allclose(
+      grads["embed"]["embedding"].get_value().todense(),
+      twin_grads["embed"]["embedding"][...],
+      rtol=1e-6,
+    )
+  counts = jax.tree.leaves(nnx.state(model, nnx.RngCount))
+  assert counts == jax.tree.leaves(nnx.state(twin, nnx.RngCount)) and 2 in counts
+
+
 def test_argnums_selects_the_model():
   model = osa.SparseEmbed(NUM_ITEMS, DIM, rngs=nnx.Rngs(0))
 
