@@ -10,7 +10,6 @@ from reference import NumpySparseAdam
 
 flax = pytest.importorskip("flax")
 import flax.linen as nn  # noqa: E402
-from flax.training import train_state  # noqa: E402
 from jax.experimental import sparse  # noqa: E402
 
 import optax_sparse_adam as osa  # noqa: E402
@@ -219,20 +218,6 @@ def test_compiled_train_step_has_no_dense_table_temporary():
   compiled = jax.jit(train_step, donate_argnums=0).lower(state, *batch(0)).compile()
   for num_rows in (NUM_USERS, NUM_ITEMS):
     assert dense_table_temporaries(compiled, f"f32[{num_rows},{DIM}]", 3) == []
-
-
-def test_dense_baseline_fails_the_hlo_check():
-  params = DENSE_MODEL.init(jax.random.key(0), *batch(0)[:3])["params"]
-  state = train_state.TrainState.create(
-    apply_fn=DENSE_MODEL.apply, params=params, tx=optax.adam(0.01)
-  )
-
-  def step(state, users, items, context, ratings):
-    grads = jax.grad(loss_fn)(state.params, users, items, context, ratings, model=DENSE_MODEL)
-    return state.apply_gradients(grads=grads)
-
-  compiled = jax.jit(step, donate_argnums=0).lower(state, *batch(0)).compile()
-  assert dense_table_temporaries(compiled, f"f32[{NUM_USERS},{DIM}]", 3) != []
 
 
 def test_labels_mark_boxed_tables_and_bcoo_grads():
