@@ -16,18 +16,56 @@ from optax_sparse_adam._transform import sparse_adamw as sparse_adamw
 
 __version__ = "0.1.0"
 
+# The Flax glue is importable from the top level, but loaded on first use: flax
+# is an optional dependency and takes a second to import.
+_FLAX_NAMES = (
+  "LinenSparseEmbed",
+  "SparseEmbed",
+  "SparseOptimizer",
+  "SparseTable",
+  "SparseTableBox",
+  "SparseTrainState",
+  "embedding_lookup",
+  "sparse_grad",
+  "sparse_value_and_grad",
+  "table_labels",
+)
+
+
+def __getattr__(name: str):
+  if name == "flax":
+    import importlib
+
+    return importlib.import_module("optax_sparse_adam.flax")
+  if name in _FLAX_NAMES:
+    from optax_sparse_adam import _flax
+
+    return getattr(_flax, name)
+  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 __all__ = (
   "AdamCoefficients",
   "LeafState",
+  "LinenSparseEmbed",
   "RowBuffer",
   "SparseAdamState",
+  "SparseEmbed",
   "SparseMultiStepsState",
+  "SparseOptimizer",
+  "SparseTable",
+  "SparseTableBox",
+  "SparseTrainState",
   "apply_updates",
   "coalesce_rows",
+  "embedding_lookup",
   "lift_to_bcoo",
   "sparse_adam",
   "sparse_adam_leaf_step",
   "sparse_adamw",
   "sparse_apply_if_finite",
+  "sparse_grad",
   "sparse_multi_steps",
+  "sparse_value_and_grad",
+  "table_labels",
 )

@@ -1,0 +1,25 @@
+"""`optax_sparse_adam.flax`: the Flax glue (needs flax), a re-export of the private `_flax`."""
+
+from optax_sparse_adam._flax import LinenSparseEmbed as LinenSparseEmbed
+from optax_sparse_adam._flax import SparseEmbed as SparseEmbed
+from optax_sparse_adam._flax import SparseOptimizer as SparseOptimizer
+from optax_sparse_adam._flax import SparseTable as SparseTable
+from optax_sparse_adam._flax import SparseTableBox as SparseTableBox
+from optax_sparse_adam._flax import SparseTrainState as SparseTrainState
+from optax_sparse_adam._flax import embedding_lookup as embedding_lookup
+from optax_sparse_adam._flax import sparse_grad as sparse_grad
+from optax_sparse_adam._flax import sparse_value_and_grad as sparse_value_and_grad
+from optax_sparse_adam._flax import table_labels as table_labels
+
+__all__ = (
+  "LinenSparseEmbed",
+  "SparseEmbed",
+  "SparseOptimizer",
+  "SparseTable",
+  "SparseTableBox",
+  "SparseTrainState",
+  "embedding_lookup",
+  "sparse_grad",
+  "sparse_value_and_grad",
+  "table_labels",
+)

@@ -1,0 +1,71 @@
+"""Finds `V x D` arrays in a compiled XLA module: which instructions produce them, and how."""
+
+import re
+
+
+def _computations(hlo_text: str) -> dict[str, list[str]]:
+  """Maps each computation's name to its instruction lines; the entry is under 'ENTRY'."""
+  computations: dict[str, list[str]] = {}
+  current = None
+  for line in hlo_text.splitlines():
+    header = re.match(r"^(ENTRY )?%?([\w.\-]+) .*\{$", line)
+    if header and not line.startswith(" "):
+      current = "ENTRY" if header.group(1) else header.group(2)
+      computations[current] = []
+    elif current is not None and line.strip() and line.strip() != "}":
+      computations[current].append(line.strip())
+  return computations
+
+
+def table_shaped_values(hlo_text: str, shape: str) -> list[tuple[str, str]]:
+  """`(opcode, detail)` of every entry instruction whose result has `shape`, e.g. 'f32[1000,8]'.
+
+  For a fusion, `detail` is the opcode of its fused root (a wrapped scatter fuses
+  to 'scatter'); otherwise it is the opcode again.
+  """
+  computations = _computations(hlo_text)
+  pattern = re.compile(r"=\s*" + re.escape(shape) + r"\{[^}]*\}\s+([\w\-]+)\(")
+  values = []
+  for line in computations["ENTRY"]:
+    match = pattern.search(line)
+    if not match:
+      continue
+    opcode = match.group(1)
+    detail = opcode
+    if opcode == "fusion":
+      called = re.search(r"calls=%([\w.\-]+)", line).group(1)
+      root = next(x for x in computations[called] if x.startswith("ROOT"))
+      detail = re.search(r"=\s*\S+\s+([\w\-]+)\(", root).group(1)
+    values.append((opcode, detail))
+  return values
+
+
+def dense_table_temporaries(compiled, shape: str, num_donated: int) -> list[str]:
+  """Problems with `shape`-d arrays in a compiled step; empty when there is no V x D temporary.
+
+  Allowed: `num_donated` parameters (the table and its moments), one in-place
+  scatter per parameter (each updates a donated buffer), bitcasts and tuple
+  plumbing. Also checked: the donated buffers alias outputs, and XLA's temporary
+  allocation is smaller than one table.
+  """
+  text = compiled.as_text()
+  values = table_shaped_values(text, shape)
+  problems = []
+  parameters = [v for v in values if v[0] == "parameter"]
+  if len(parameters) != num_donated:
+    problems.append(f"{len(parameters)} {shape} parameters, expected {num_donated}")
+  plumbing = {"parameter", "bitcast", "get-tuple-element", "tuple"}
+  writes = [v for v in values if v[0] not in plumbing]
+  others = [v for v in writes if v[1] != "scatter"]
+  if others:
+    problems.append(f"{shape} values that are not scatters into a donated buffer: {others}")
+  if len(writes) > num_donated:
+    problems.append(f"{len(writes)} {shape} scatters, expected at most {num_donated}")
+  if "input_output_alias" not in text:
+    problems.append("no input_output_alias: the buffers were not donated")
+  rows, cols = (int(d) for d in re.findall(r"\d+", shape.split("[")[1]))
+  table_bytes = rows * cols * 4
+  temp = compiled.memory_analysis().temp_size_in_bytes
+  if temp >= table_bytes:
+    problems.append(f"temporary allocation of {temp} bytes >= one table ({table_bytes})")
+  return problems
