@@ -143,8 +143,13 @@ def fused_step(
   exp_avg_sqs: Sequence[jax.Array],
   grads: Sequence[sparse.BCOO],
   scalars: Sequence[jax.Array],
+  opaque_zero: jax.Array,
 ) -> tuple[list[jax.Array], list[jax.Array], list[jax.Array]]:
-  """One SparseAdam step of every listed parameter; params and moments are donated."""
+  """One SparseAdam step of every listed parameter; params and moments are donated.
+
+  `opaque_zero` is an int32 zero given at run time, so that the core rounds
+  every product as torch does (no FMA contraction): bit-exact float32.
+  """
   new_params, new_exp_avgs, new_exp_avg_sqs = [], [], []
   for param, exp_avg, exp_avg_sq, grad, s in zip(
     params, exp_avgs, exp_avg_sqs, grads, scalars, strict=True
@@ -165,6 +170,7 @@ def fused_step(
       None,
       coeffs,
       step_size=s[_STEP_SIZE],
+      opaque_zero=opaque_zero,
     )
     new_params.append(_bcoo.scatter_add_bcoo(param, update))
     new_exp_avgs.append(leaf.mu)

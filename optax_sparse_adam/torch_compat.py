@@ -105,6 +105,8 @@ def _as_moment(value: Any, param: Parameter, key: str, where: str) -> Any:
     )
   # A fresh buffer: the next step donates it, so it must not be the caller's.
   array = jnp.array(host, dtype=param.dtype, copy=True)
+  if not param.data.committed:
+    return array  # placed as the param is; committing it would recompile the step
   return jax.device_put(array, param.data.sharding)
 
 
@@ -269,7 +271,7 @@ class SparseAdam(Optimizer):
       steps.append(step)
 
     new_params, new_exp_avgs, new_exp_avg_sqs = _torch_step.fused_step(
-      params, exp_avgs, exp_avg_sqs, grads, scalars
+      params, exp_avgs, exp_avg_sqs, grads, scalars, np.zeros((), np.int32)
     )
     for (p, _, _), data, exp_avg, exp_avg_sq, step in zip(
       todo, new_params, new_exp_avgs, new_exp_avg_sqs, steps, strict=True
