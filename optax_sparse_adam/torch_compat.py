@@ -149,7 +149,7 @@ class SparseAdam(Optimizer):
     >>> table.grad = sparse.BCOO((jnp.ones((1, 2)), jnp.array([[2]])), shape=(4, 2))
     >>> opt.step()
     >>> table.data[2]
-    Array([-0.1, -0.1], dtype=float32)
+    Array([-0.09999996, -0.09999996], dtype=float32)
     >>> opt.state[table]["step"]
     1
 
