@@ -270,6 +270,13 @@ class SparseAdam(Optimizer):
       scalars.append(_torch_step.host_scalars(hyper, step, _torch_step.compute_dtype(p, grad)))
       steps.append(step)
 
+    # Parameters built from one array share its buffer, which cannot be donated twice.
+    donated: set[int] = set()
+    for arrays in (params, exp_avgs, exp_avg_sqs):
+      for i, array in enumerate(arrays):
+        if id(array) in donated:
+          arrays[i] = jnp.copy(array)
+        donated.add(id(arrays[i]))
     new_params, new_exp_avgs, new_exp_avg_sqs = _torch_step.fused_step(
       params, exp_avgs, exp_avg_sqs, grads, scalars, np.zeros((), np.int32)
     )

@@ -236,6 +236,16 @@ def test_param_groups_fill_defaults_and_named_params_give_param_names():
   assert group == {"params": [c], "eps": 1e-3, "lr": 0.1, "betas": (0.9, 0.999), "maximize": False}
 
 
+def test_params_sharing_one_array_step_independently():
+  shared = jnp.zeros(SHAPE)
+  p, q = Parameter(shared), Parameter(shared)
+  opt = SparseAdam([p, q], lr=0.1)
+  p.grad, q.grad = _grad([1, 1, 1]), _grad([2, 2, 2])
+  opt.step()
+  assert float(p.data[1, 0]) < 0 and float(p.data[2, 0]) == 0
+  assert float(q.data[2, 0]) < 0 and float(q.data[1, 0]) == 0
+
+
 def test_zero_grad():
   p, q = _param(0), _param(1)
   opt = SparseAdam([p, q])
