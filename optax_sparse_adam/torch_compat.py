@@ -167,10 +167,9 @@ class SparseAdam(Optimizer):
     maximize: bool = False,
   ) -> None:
     self._initialized = False
-    lr_checked = _torch_step.lr_value(lr)
     if _torch_convert.is_array(lr) and _torch_convert.to_numpy(lr).size != 1:
       raise ValueError("Tensor lr must be 1-element")
-    if not 0.0 < lr_checked:
+    if not 0.0 < _torch_step.lr_value(lr):
       raise ValueError(f"Invalid learning rate: {lr}")
     if not 0.0 < eps:
       raise ValueError(f"Invalid epsilon value: {eps}")
