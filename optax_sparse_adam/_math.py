@@ -22,6 +22,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import optax
+from jax import lax
 from jax.experimental import sparse
 from jax.sharding import PartitionSpec
 
@@ -136,6 +137,20 @@ def init_leaf_state(
   return LeafState(step, mu, nu, nu_max, row_step)
 
 
+def _rounded(x: jax.Array, opaque_zero: jax.Array | None) -> jax.Array:
+  """`x`, rounded where it stands: XLA cannot contract it into a later add as an FMA.
+
+  XOR with a zero known only at run time is the identity on the bits, but it
+  forces the product to be materialised (rounded) first, as torch's separate
+  kernels do. XLA strips optimization barriers and folds bitcast pairs.
+  """
+  if opaque_zero is None:
+    return x
+  int_dtype = {4: jnp.int32, 8: jnp.int64}[x.dtype.itemsize]
+  bits = lax.bitcast_convert_type(x, int_dtype)
+  return lax.bitcast_convert_type(bits ^ opaque_zero.astype(int_dtype), x.dtype)
+
+
 def adam_rows(
   grad_rows: jax.Array,
   mu_rows: jax.Array,
@@ -145,28 +160,35 @@ def adam_rows(
   coeffs: AdamCoefficients,
   *,
   compute_dtype: Any,
+  opaque_zero: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
   """The Adam moment and parameter arithmetic on gathered rows, in torch's order.
 
   Returns `(delta, mu, nu, nu_max)`: the signed parameter update (before any
   decoupled weight decay) and the new moments, each in its storage dtype.
+  `opaque_zero`, an int32 zero that is a run-time input of the compiled
+  function, pins the rounding of every product (bit-exact torch on backends
+  that would fuse multiply-adds into FMAs).
   """
 
   def c(x):
     return jnp.asarray(x, compute_dtype)
 
+  def r(x):
+    return _rounded(x, opaque_zero)
+
   g = grad_rows.astype(compute_dtype)
   m = mu_rows.astype(compute_dtype)
   v = nu_rows.astype(compute_dtype)
-  mu_new = (m + (g - m) * c(coeffs.one_minus_b1)).astype(mu_rows.dtype)
-  nu_new = (v + (g * g - v) * c(coeffs.one_minus_b2)).astype(nu_rows.dtype)
+  mu_new = (m + r((g - m) * c(coeffs.one_minus_b1))).astype(mu_rows.dtype)
+  nu_new = (v + r((r(g * g) - v) * c(coeffs.one_minus_b2))).astype(nu_rows.dtype)
   second = nu_new
   nu_max_new = None
   if nu_max_rows is not None:
     nu_max_new = jnp.maximum(nu_max_rows, nu_new.astype(nu_max_rows.dtype))
     second = nu_max_new
   denom = jnp.sqrt(second.astype(compute_dtype)) + c(coeffs.eps)
-  delta = -c(step_size) * (mu_new.astype(compute_dtype) / denom)
+  delta = r(-c(step_size) * (mu_new.astype(compute_dtype) / denom))
   return delta, mu_new, nu_new, nu_max_new
 
 
@@ -180,6 +202,7 @@ def sparse_adam_leaf_step(
   decoupled_weight_decay: bool = False,
   step_size: jax.Array | None = None,
   path: tuple = (),
+  opaque_zero: jax.Array | None = None,
 ) -> tuple[sparse.BCOO, LeafState]:
   """One masked Adam step of one parameter from its BCOO gradient.
 
@@ -195,6 +218,9 @@ def sparse_adam_leaf_step(
       computed on the host in float64 as torch does. Ignored with per-row bias
       correction.
     path: the leaf's pytree path, for error messages.
+    opaque_zero: an int32 zero passed into the compiled function at run time;
+      when given, every product is rounded before it is added, as in torch,
+      instead of being fused into an FMA by XLA (see `adam_rows`).
 
   Returns:
     `(update, new_state)`: a BCOO update with sorted unique indices holding the
@@ -287,6 +313,7 @@ def _leaf_step(
     step_size,
     coeffs,
     compute_dtype=compute_dtype,
+    opaque_zero=opaque_zero,
   )
   if uses_weight_decay and decoupled_weight_decay:
     lr_wd = jnp.asarray(coeffs.learning_rate, compute_dtype) * jnp.asarray(
