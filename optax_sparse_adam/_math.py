@@ -235,6 +235,7 @@ def sparse_adam_leaf_step(
     decoupled_weight_decay=decoupled_weight_decay,
     step_size=step_size,
     path=path,
+    opaque_zero=opaque_zero,
   )
   if not _sharding.explicit_axes():
     return _leaf_step(grad, state, param, **kwargs)
@@ -262,6 +263,7 @@ def _leaf_step(
   decoupled_weight_decay: bool,
   step_size: jax.Array | None,
   path: tuple,
+  opaque_zero: jax.Array | None,
 ) -> tuple[sparse.BCOO, LeafState]:
   """`sparse_adam_leaf_step`, traced in the caller's sharding mode."""
   layout = _bcoo.row_layout(grad, state.mu.shape, path)
