@@ -101,6 +101,22 @@ def _moment_dtype(dtype: Any, name: str) -> Any:
   return dtype
 
 
+def _path_difference(
+  paths: list[Any], tree: Any, what: str, *, first: str = "gradients", limit: int = 5
+) -> str:
+  """Names the leaf paths found in only one of `paths` (the `first`'s) and `tree`, if any."""
+  grad_paths = [path_str(p) for p in paths]
+  tree_paths = [path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+  only_grads = [p for p in grad_paths if p not in set(tree_paths)][:limit]
+  only_tree = [p for p in tree_paths if p not in set(grad_paths)][:limit]
+  parts = []
+  if only_grads:
+    parts.append(f"only in the {first}: {', '.join(only_grads)}")
+  if only_tree:
+    parts.append(f"only in the {what}: {', '.join(only_tree)}")
+  return f" ({'; '.join(parts)})" if parts else ""
+
+
 def _leaves_up_to(treedef: Any, tree: Any, what: str, paths: list[Any]) -> list[Any]:
   """The leaves of `tree` at the gradient leaves' positions; refuses other structures.
 
@@ -111,9 +127,10 @@ def _leaves_up_to(treedef: Any, tree: Any, what: str, paths: list[Any]) -> list[
     leaves = treedef.flatten_up_to(tree)
   except (ValueError, TypeError) as err:
     raise ValueError(
-      f"The gradient tree's structure differs from the {what}'s. Gradients: "
-      f"{treedef}; {what}: {jax.tree_util.tree_structure(tree)}. Pass gradients "
-      "with the structure of the params given to init."
+      f"The gradient tree's structure differs from the {what}'s"
+      f"{_path_difference(paths, tree, what)}. Gradients: {treedef}; {what}: "
+      f"{jax.tree_util.tree_structure(tree)}. Pass gradients with the structure of "
+      "the params given to init."
     ) from err
   for path, leaf in zip(paths, leaves, strict=True):
     if leaf is not None and not jax.tree_util.treedef_is_leaf(jax.tree_util.tree_structure(leaf)):
@@ -479,8 +496,12 @@ def apply_updates(params: optax.Params, updates: optax.Updates) -> optax.Params:
   except ValueError as err:
     if "tree structure" not in str(err) and "Custom node type mismatch" not in str(err):
       raise
+    update_paths = [
+      p for p, _ in jax.tree_util.tree_flatten_with_path(updates, is_leaf=_is_leaf)[0]
+    ]
     raise ValueError(
-      "apply_updates: the updates' tree structure differs from the params'. "
+      "apply_updates: the updates' tree structure differs from the params'"
+      f"{_path_difference(update_paths, params, 'params', first='updates')}. "
       f"Params: {jax.tree_util.tree_structure(params)}; updates: "
       f"{jax.tree_util.tree_structure(updates, is_leaf=_is_leaf)}."
     ) from err

@@ -201,14 +201,22 @@ def _trained_state_multi(opt, params):
 STRUCTURE_CASES = {
   "renamed_key": (
     lambda g: {"emb": {"tab": g}, "bias": None},
-    ["structure differs", "'tab'", "'table'", "structure of the params given to init"],
+    [
+      "structure differs",
+      "only in the gradients: ['emb']['tab']",
+      "only in the optimizer state: ['emb']['table']",
+      "structure of the params given to init",
+    ],
   ),
   "leaf_for_subtree": (
     lambda g: {"emb": g, "bias": None},
     ["structure differs", "the gradient at ['emb'] is a single leaf", "subtree"],
   ),
   "list_for_dict": (lambda g: [g], ["structure differs", "PyTreeDef([*])"]),
-  "missing_leaf": (lambda g: {"emb": {"table": g}}, ["structure differs", "'bias'"]),
+  "missing_leaf": (
+    lambda g: {"emb": {"table": g}},
+    ["structure differs", "only in the optimizer state: ['bias']"],
+  ),
 }
 
 
@@ -327,7 +335,11 @@ APPLY_CASES = {
     lambda u: {"emb": {"tab": u}, "bias": None},
     lambda p: p,
     ValueError,
-    ["apply_updates", "tree structure differs", "'tab'", "'table'"],
+    [
+      "apply_updates",
+      "only in the updates: ['emb']['tab']",
+      "only in the params: ['emb']['table']",
+    ],
   ),
   "sparse_shape_mismatch": (
     lambda u: {"emb": {"table": u}, "bias": None},
