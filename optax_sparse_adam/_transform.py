@@ -117,7 +117,7 @@ def _path_difference(
   return f" ({'; '.join(parts)})" if parts else ""
 
 
-def _leaves_up_to(treedef: Any, tree: Any, what: str, paths: list[Any]) -> list[Any]:
+def _leaves_up_to(treedef: Any, tree: Any, what: str, paths: list[Any] | None = None) -> list[Any]:
   """The leaves of `tree` at the gradient leaves' positions; refuses other structures.
 
   `flatten_up_to` accepts a subtree where the gradient has a leaf; that is a
@@ -128,11 +128,12 @@ def _leaves_up_to(treedef: Any, tree: Any, what: str, paths: list[Any]) -> list[
   except (ValueError, TypeError) as err:
     raise ValueError(
       f"The gradient tree's structure differs from the {what}'s"
-      f"{_path_difference(paths, tree, what)}. Gradients: {treedef}; {what}: "
+      f"{'' if paths is None else _path_difference(paths, tree, what)}. Gradients: "
+      f"{treedef}; {what}: "
       f"{jax.tree_util.tree_structure(tree)}. Pass gradients with the structure of "
       "the params given to init."
     ) from err
-  for path, leaf in zip(paths, leaves, strict=True):
+  for path, leaf in zip(paths or [()] * len(leaves), leaves, strict=True):
     if leaf is not None and not jax.tree_util.treedef_is_leaf(jax.tree_util.tree_structure(leaf)):
       raise ValueError(
         f"The gradient tree's structure differs from the {what}'s: the gradient "
