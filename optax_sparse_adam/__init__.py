@@ -1,6 +1,8 @@
 """optax_sparse_adam: masked Adam for BCOO gradients, with torch.optim.SparseAdam's numerics."""
 
 from optax_sparse_adam._bcoo import coalesce_rows as coalesce_rows
+from optax_sparse_adam._checks import check_sparse_grads as check_sparse_grads
+from optax_sparse_adam._checks import sparse_grad_checks as sparse_grad_checks
 from optax_sparse_adam._composition import RowBuffer as RowBuffer
 from optax_sparse_adam._composition import SparseMultiStepsState as SparseMultiStepsState
 from optax_sparse_adam._composition import lift_to_bcoo as lift_to_bcoo
@@ -57,6 +59,7 @@ __all__ = (
   "SparseTableBox",
   "SparseTrainState",
   "apply_updates",
+  "check_sparse_grads",
   "coalesce_rows",
   "embedding_lookup",
   "lift_to_bcoo",
@@ -65,6 +68,7 @@ __all__ = (
   "sparse_adamw",
   "sparse_apply_if_finite",
   "sparse_grad",
+  "sparse_grad_checks",
   "sparse_multi_steps",
   "sparse_value_and_grad",
   "table_labels",

@@ -62,32 +62,35 @@ def is_bcoo(x: Any) -> bool:
   return isinstance(x, BCOO)
 
 
-def row_layout(grad: BCOO, param_shape: Sequence[int], path: Sequence[Any] = ()) -> RowLayout:
+def row_layout(
+  grad: BCOO, param_shape: Sequence[int], path: Sequence[Any] = (), *, what: str = "gradient"
+) -> RowLayout:
   """Checks that `grad` is a BCOO gradient usable for a parameter of `param_shape`.
 
-  Raises a `ValueError` or `TypeError` that names the leaf's path otherwise.
+  Raises a `ValueError` or `TypeError` that names the leaf's path otherwise;
+  `what` names the BCOO in the message ("gradient" or "update").
   """
-  where = path_str(path)
+  where = f"{what} at {path_str(path)}"
   param_shape = tuple(int(d) for d in param_shape)
   if grad.n_batch != 0:
     raise ValueError(
-      f"Sparse gradient at {where} has n_batch={grad.n_batch} batch dimensions; "
+      f"Sparse {where} has n_batch={grad.n_batch} batch dimensions; "
       "sparse_adam supports only n_batch=0 (indices of shape (nse, n_sparse)). "
       "Convert it with jax.experimental.sparse.bcoo_update_layout(grad, n_batch=0)."
     )
   if tuple(grad.shape) != param_shape:
     raise ValueError(
-      f"Sparse gradient at {where} has shape {tuple(grad.shape)} but its "
+      f"Sparse {where} has shape {tuple(grad.shape)} but its "
       f"parameter has shape {param_shape}; they must be equal."
     )
   if grad.n_sparse < 1:
     raise ValueError(
-      f"Sparse gradient at {where} has n_sparse=0: it holds no sparse dimension. "
+      f"Sparse {where} has n_sparse=0: it holds no sparse dimension. "
       "Pass it as a dense gradient to optax.adam instead."
     )
   if not jnp.issubdtype(grad.indices.dtype, jnp.integer):
     raise TypeError(
-      f"Sparse gradient at {where} has indices of dtype {grad.indices.dtype}; "
+      f"Sparse {where} has indices of dtype {grad.indices.dtype}; "
       "expected an integer dtype. A transform earlier in the chain probably "
       "mapped over the BCOO's indices (optax.scale does this): wrap such "
       "transforms in optax_sparse_adam.lift_to_bcoo, e.g. "
@@ -95,13 +98,12 @@ def row_layout(grad: BCOO, param_shape: Sequence[int], path: Sequence[Any] = ())
     )
   if not jnp.issubdtype(grad.data.dtype, jnp.floating):
     raise TypeError(
-      f"Sparse gradient at {where} has data of dtype {grad.data.dtype}; "
-      "expected a real floating dtype."
+      f"Sparse {where} has data of dtype {grad.data.dtype}; expected a real floating dtype."
     )
   layout = RowLayout(param_shape[: grad.n_sparse], param_shape[grad.n_sparse :])
   if layout.num_rows + grad.nse > _INT32_MAX:
     raise ValueError(
-      f"Sparse gradient at {where}: its {layout.num_rows} rows (the product of "
+      f"Sparse {where}: its {layout.num_rows} rows (the product of "
       f"the sparse dims {layout.sparse_shape}) do not fit in int32 row ids. Use "
       "fewer sparse dimensions (n_sparse=1, the rest dense)."
     )
@@ -213,7 +215,7 @@ def scatter_add_bcoo(param: jax.Array, update: BCOO, path: Sequence[Any] = ()) -
   Repeated indices add up; out-of-range indices are dropped (BCOO padding).
   The result has `param`'s sharding.
   """
-  layout = row_layout(update, param.shape, path)
+  layout = row_layout(update, param.shape, path, what="update")
   return _sharding.call_with_auto_axes(
     lambda param, update: _scatter_add_rows(param, update, layout),
     (param, update),

@@ -43,12 +43,26 @@ def _is_python_number(x: Any) -> bool:
   return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
+def _is_scalar(value: Any) -> bool:
+  """A real number, or a 0-d array of a real dtype (as `optax.inject_hyperparams` passes)."""
+  if _is_python_number(value):
+    return True
+  dtype = getattr(value, "dtype", None)
+  return (
+    dtype is not None
+    and getattr(value, "ndim", None) == 0
+    and (jnp.issubdtype(dtype, jnp.floating) or jnp.issubdtype(dtype, jnp.integer))
+  )
+
+
 def check_hyperparams(
   learning_rate: Any, b1: Any, b2: Any, eps: Any, weight_decay: Any = 0.0
 ) -> None:
   """torch's constructor checks, in torch's order and wording, for concrete numbers.
 
-  Arrays (as `optax.inject_hyperparams` passes) and schedules are not checked.
+  Every hyper-parameter must be a real number or a 0-d real array; the values of
+  arrays (as `optax.inject_hyperparams` passes) are not checked. Schedules are
+  checked by the caller.
   """
   for name, value in (
     ("learning_rate", learning_rate),
@@ -57,8 +71,11 @@ def check_hyperparams(
     ("eps", eps),
     ("weight_decay", weight_decay),
   ):
-    if isinstance(value, (str, bytes, bool)) or value is None:
-      raise TypeError(f"Invalid {name}: {value!r}; expected a float.")
+    if not _is_scalar(value):
+      raise TypeError(
+        f"Invalid {name}: {value!r} ({describe(value)}); expected a float or a "
+        "0-d real array" + (", or an optax.Schedule." if name == "learning_rate" else ".")
+      )
   if _is_python_number(learning_rate) and not 0.0 < learning_rate:
     raise ValueError(f"Invalid learning rate: {learning_rate}")
   if _is_python_number(eps) and not 0.0 < eps:
@@ -71,15 +88,60 @@ def check_hyperparams(
     raise ValueError(f"Invalid weight_decay value: {weight_decay}")
 
 
-def _leaves_up_to(treedef: Any, tree: Any, what: str) -> list[Any]:
+def _moment_dtype(dtype: Any, name: str) -> Any:
+  """`dtype` as a NumPy dtype, refused unless it is a real floating dtype."""
+  if dtype is None:
+    return None
   try:
-    return treedef.flatten_up_to(tree)
+    dtype = jnp.dtype(dtype)
+  except TypeError as err:
+    raise TypeError(f"Invalid {name}: {dtype!r} is not a dtype.") from err
+  if not jnp.issubdtype(dtype, jnp.floating):
+    raise TypeError(f"Invalid {name}: {dtype}; expected a real floating dtype such as float32.")
+  return dtype
+
+
+def _path_difference(
+  paths: list[Any], tree: Any, what: str, *, first: str = "gradients", limit: int = 5
+) -> str:
+  """Names the leaf paths found in only one of `paths` (the `first`'s) and `tree`, if any."""
+  grad_paths = [path_str(p) for p in paths]
+  tree_paths = [path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+  only_grads = [p for p in grad_paths if p not in set(tree_paths)][:limit]
+  only_tree = [p for p in tree_paths if p not in set(grad_paths)][:limit]
+  parts = []
+  if only_grads:
+    parts.append(f"only in the {first}: {', '.join(only_grads)}")
+  if only_tree:
+    parts.append(f"only in the {what}: {', '.join(only_tree)}")
+  return f" ({'; '.join(parts)})" if parts else ""
+
+
+def _leaves_up_to(treedef: Any, tree: Any, what: str, paths: list[Any] | None = None) -> list[Any]:
+  """The leaves of `tree` at the gradient leaves' positions; refuses other structures.
+
+  `flatten_up_to` accepts a subtree where the gradient has a leaf; that is a
+  structure mismatch too, reported with the gradient leaf's path.
+  """
+  try:
+    leaves = treedef.flatten_up_to(tree)
   except (ValueError, TypeError) as err:
     raise ValueError(
-      f"The gradient tree's structure differs from the {what}'s. Gradients: "
-      f"{treedef}; {what}: {jax.tree_util.tree_structure(tree)}. Pass gradients "
-      "with the structure of the params given to init."
+      f"The gradient tree's structure differs from the {what}'s"
+      f"{'' if paths is None else _path_difference(paths, tree, what)}. Gradients: "
+      f"{treedef}; {what}: "
+      f"{jax.tree_util.tree_structure(tree)}. Pass gradients with the structure of "
+      "the params given to init."
     ) from err
+  for path, leaf in zip(paths or [()] * len(leaves), leaves, strict=True):
+    if leaf is not None and not jax.tree_util.treedef_is_leaf(jax.tree_util.tree_structure(leaf)):
+      raise ValueError(
+        f"The gradient tree's structure differs from the {what}'s: the gradient "
+        f"at {path_str(path)} is a single leaf, but the {what} holds a subtree "
+        f"{jax.tree_util.tree_structure(leaf)} there. Pass gradients with the "
+        "structure of the params given to init."
+      )
+  return leaves
 
 
 def _scale_by_sparse_adam(
@@ -99,8 +161,8 @@ def _scale_by_sparse_adam(
   check_hyperparams(
     learning_rate if not callable(learning_rate) else 1.0, b1, b2, eps, weight_decay
   )
-  mu_dtype = None if mu_dtype is None else jnp.dtype(mu_dtype)
-  nu_dtype = None if nu_dtype is None else jnp.dtype(nu_dtype)
+  mu_dtype = _moment_dtype(mu_dtype, "mu_dtype")
+  nu_dtype = _moment_dtype(nu_dtype, "nu_dtype")
 
   def init_fn(params: optax.Params) -> SparseAdamState:
     leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path(params)
@@ -138,16 +200,17 @@ def _scale_by_sparse_adam(
     updates: optax.Updates, state: SparseAdamState, params: optax.Params | None = None
   ) -> tuple[optax.Updates, SparseAdamState]:
     grads_with_path, treedef = jax.tree_util.tree_flatten_with_path(updates, is_leaf=_is_leaf)
-    step_leaves = _leaves_up_to(treedef, state.step, "optimizer state")
-    mu_leaves = _leaves_up_to(treedef, state.mu, "optimizer state")
-    nu_leaves = _leaves_up_to(treedef, state.nu, "optimizer state")
+    paths = [path for path, _ in grads_with_path]
+    step_leaves = _leaves_up_to(treedef, state.step, "optimizer state", paths)
+    mu_leaves = _leaves_up_to(treedef, state.mu, "optimizer state", paths)
+    nu_leaves = _leaves_up_to(treedef, state.nu, "optimizer state", paths)
     none = [None] * len(mu_leaves)
     nu_max_leaves = none if state.nu_max is None else treedef.flatten_up_to(state.nu_max)
     row_step_leaves = none if state.row_step is None else treedef.flatten_up_to(state.row_step)
-    param_leaves = none if params is None else _leaves_up_to(treedef, params, "params")
+    param_leaves = none if params is None else _leaves_up_to(treedef, params, "params", paths)
 
     # Validate every leaf before computing anything: a bad leaf fails the call whole.
-    for (path, grad), mu in zip(grads_with_path, mu_leaves, strict=True):
+    for (path, grad), mu, param in zip(grads_with_path, mu_leaves, param_leaves, strict=True):
       if grad is None:
         continue
       if not isinstance(grad, sparse.BCOO):
@@ -161,6 +224,12 @@ def _scale_by_sparse_adam(
           "optax_sparse_adam.sparse_multi_steps instead."
         )
       _bcoo.row_layout(grad, mu.shape, path)
+      if param is not None and tuple(jnp.shape(param)) != tuple(mu.shape):
+        raise ValueError(
+          f"Parameter at {path_str(path)} has shape {tuple(jnp.shape(param))} but "
+          f"its optimizer state has shape {tuple(mu.shape)}: pass the params "
+          "given to init (or re-init the state after reshaping them)."
+        )
 
     lr = learning_rate(state.count) if callable(learning_rate) else learning_rate
     coeffs = _math.adam_coefficients(lr, b1, b2, eps, weight_decay)
@@ -188,6 +257,15 @@ def _scale_by_sparse_adam(
         maximize=maximize,
         decoupled_weight_decay=decoupled_weight_decay,
         path=path,
+      )
+      # The update carries the gradient's BCOO metadata, so updates keep the
+      # gradients' tree structure: lax.cond wrappers such as optax.apply_if_finite
+      # need both branches to match. The indices are sorted and unique regardless.
+      update = sparse.BCOO(
+        (update.data, update.indices),
+        shape=update.shape,
+        indices_sorted=grad.indices_sorted,
+        unique_indices=grad.unique_indices,
       )
       new_updates.append(update)
       new.append(leaf_state)
@@ -241,8 +319,11 @@ def sparse_adam(
   bias-corrected :math:`\sqrt{\hat v}` as in `optax.adam`.
 
   The update for a BCOO gradient is a BCOO with sorted, unique indices holding
-  the signed deltas; apply it with `optax_sparse_adam.apply_updates`, which
-  scatter-adds it (`optax.apply_updates` also works, but densifies). Inside
+  the signed deltas, carrying the gradient's BCOO metadata (shape and flags) so
+  that updates have the gradients' tree structure, as `lax.cond` wrappers such as
+  `optax.apply_if_finite` require; apply it with
+  `optax_sparse_adam.apply_updates`, which scatter-adds it
+  (`optax.apply_updates` also works, but densifies). Inside
   `jax.jit`, donate the params and the state (`donate_argnums`), else XLA copies
   whole tables to scatter a few rows.
 
@@ -399,7 +480,18 @@ def apply_updates(params: optax.Params, updates: optax.Updates) -> optax.Params:
     if param is None or update is None:
       return param
     if isinstance(update, sparse.BCOO):
+      _bcoo.check_param_dtype(param, path)
       return _bcoo.scatter_add_bcoo(jnp.asarray(param), update, path)
+    param_shape, update_shape = jnp.shape(param), jnp.shape(update)
+    try:
+      fits = jnp.broadcast_shapes(param_shape, update_shape) == param_shape
+    except ValueError:
+      fits = False
+    if not fits:
+      raise ValueError(
+        f"apply_updates: the update at {path_str(path)} has shape {update_shape} "
+        f"but its parameter has shape {param_shape}; expected the parameter's shape."
+      )
     return jnp.asarray(param + update).astype(jnp.asarray(param).dtype)
 
   try:
@@ -409,8 +501,12 @@ def apply_updates(params: optax.Params, updates: optax.Updates) -> optax.Params:
   except ValueError as err:
     if "tree structure" not in str(err) and "Custom node type mismatch" not in str(err):
       raise
+    update_paths = [
+      p for p, _ in jax.tree_util.tree_flatten_with_path(updates, is_leaf=_is_leaf)[0]
+    ]
     raise ValueError(
-      "apply_updates: the updates' tree structure differs from the params'. "
+      "apply_updates: the updates' tree structure differs from the params'"
+      f"{_path_difference(update_paths, params, 'params', first='updates')}. "
       f"Params: {jax.tree_util.tree_structure(params)}; updates: "
       f"{jax.tree_util.tree_structure(updates, is_leaf=_is_leaf)}."
     ) from err

@@ -25,6 +25,8 @@ class NumpySparseAdam:
     lr = self.lr if lr is None else lr
     b1, b2 = self.betas
     self.step_count += 1
+    if len(values) == 0:  # an empty gradient still counts a step, as in torch
+      return
     values = np.asarray(values, dtype=self.dtype)
     indices = np.asarray(indices)
     n_sparse = indices.shape[1]
