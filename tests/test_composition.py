@@ -301,14 +301,24 @@ def test_sparse_adam_is_optax_adam_restricted_to_touched_rows(decoupled, jit):
   assert_untouched_exact(p["table"], params["table"], ~untouched)
 
 
-# --- apply_if_finite and MultiSteps: refused by optax, replaced by ours. ---
+# --- apply_if_finite: optax's works around sparse_adam; ours also ignores padding. ---
+# --- MultiSteps: refused, replaced by sparse_multi_steps. ---
 
 
-def test_optax_apply_if_finite_raises_on_bcoo():
-  opt = optax.apply_if_finite(osa.sparse_adam(0.1), 2)
-  params = {"table": jnp.zeros((NUM_ROWS, DIM))}
-  with pytest.raises(TypeError, match="same pytree structure"):
-    opt.update({"table": make_grad(0)}, opt.init(params), params)
+def test_optax_apply_if_finite_skips_but_counts_nan_padding_as_non_finite():
+  """optax.apply_if_finite composes with sparse_adam (tests/test_nonfinite.py proves the
+  skip is exact); it checks every entry, so a NaN in a padding entry, which is not part of
+  the gradient, also skips the step. sparse_apply_if_finite does not."""
+  params = {"table": params_tree()["table"]}
+  good = make_grad(0)
+  nan_in_padding = sparse.BCOO((good.data.at[-1, 0].set(jnp.nan), good.indices), shape=good.shape)
+  theirs = optax.apply_if_finite(osa.sparse_adam(0.1), 2)
+  ours = osa.sparse_apply_if_finite(osa.sparse_adam(0.1), 2)
+  u, state = theirs.update({"table": nan_in_padding}, theirs.init(params), params)
+  assert not bool(state.last_finite)
+  np.testing.assert_array_equal(osa.apply_updates(params, u)["table"], params["table"])
+  _, state = ours.update({"table": nan_in_padding}, ours.init(params), params)
+  assert bool(state.last_finite)
 
 
 def test_sparse_apply_if_finite(jit):
