@@ -122,8 +122,16 @@ def test_update_is_coalesced_bcoo_and_optax_apply_updates_agrees():
   grad, idx, _ = random_grad(rng, (10, 3), 1, 8, jnp.float32, pad=2)
   updates, _ = opt.update({"w": grad}, opt.init(params))
   update = updates["w"]
-  assert isinstance(update, sparse.BCOO) and update.unique_indices and update.indices_sorted
+  assert isinstance(update, sparse.BCOO)
+  # The flags mirror the gradient's, so updates have the gradients' tree structure
+  # (what lax.cond wrappers such as optax.apply_if_finite need); the indices are
+  # sorted and unique whatever the flags say.
+  assert (update.unique_indices, update.indices_sorted) == (
+    grad.unique_indices,
+    grad.indices_sorted,
+  )
   rows = np.asarray(update.indices[:, 0])
+  assert np.all(np.diff(rows) > 0)
   valid = rows[rows < 10]
   assert np.array_equal(valid, np.unique(idx[idx[:, 0] < 10, 0]))
   assert len(np.unique(rows)) == len(rows)  # padding slots are distinct too
