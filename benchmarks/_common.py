@@ -6,9 +6,10 @@ least disturbed by other processes. Ratios are taken between timings made in
 the same process, one after the other.
 """
 
+import contextlib
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -20,6 +21,7 @@ import optax  # noqa: E402
 from jax.experimental import sparse  # noqa: E402
 
 import optax_sparse_adam as osa  # noqa: E402
+from optax_sparse_adam import _bcoo  # noqa: E402
 
 try:
   import torch
@@ -73,6 +75,43 @@ def best_step_time(run_steps: Callable[[int], None], steps: int, repeats: int) -
     run_steps(steps)
     best = min(best, (time.perf_counter() - start) / steps)
   return best
+
+
+def _coalesce_by_permutation_sort(rows, values, num_rows):
+  """The first core's coalescing, kept as a baseline: a stable sort carrying the permutation."""
+  nse = rows.shape[0]
+  slots = jnp.arange(nse, dtype=jnp.int32)
+  sorted_rows, order = jax.lax.sort((rows, slots), num_keys=1, is_stable=True)
+  is_first = jnp.concatenate([jnp.ones((1,), bool), sorted_rows[1:] != sorted_rows[:-1]])
+  segment_of_sorted = jnp.cumsum(is_first, dtype=jnp.int32) - 1
+  segment = jnp.zeros((nse,), jnp.int32).at[order].set(segment_of_sorted, unique_indices=True)
+  summed = jnp.zeros_like(values).at[segment].add(values, mode="promise_in_bounds")
+  unique_rows = (
+    jnp.full((nse,), num_rows, jnp.int32)
+    .at[jnp.where(is_first, segment_of_sorted, nse)]
+    .set(sorted_rows, mode="drop", unique_indices=True)
+  )
+  valid = unique_rows < num_rows
+  unique_rows = jnp.where(valid, unique_rows, num_rows + slots)
+  summed = jnp.where(valid.reshape((nse,) + (1,) * (values.ndim - 1)), summed, 0)
+  return _bcoo.CoalescedRows(unique_rows, summed)
+
+
+@contextlib.contextmanager
+def permutation_sort_baseline() -> Iterator[None]:
+  """Inside this block sparse_adam coalesces as the first core did (sort with a payload)."""
+  fast = _bcoo.coalesce_and_gather_rows
+
+  def baseline(rows, values, num_rows, tables):
+    coalesced = _coalesce_by_permutation_sort(rows, values, num_rows)
+    gathered = [None if t is None else _bcoo.gather_rows(t, coalesced.rows) for t in tables]
+    return coalesced, gathered, list(tables)
+
+  _bcoo.coalesce_and_gather_rows = baseline
+  try:
+    yield
+  finally:
+    _bcoo.coalesce_and_gather_rows = fast
 
 
 def time_sparse_adam(

@@ -6,6 +6,7 @@ or uniformly:
 
 - sparse_adam: `sparse_adam.update` + `apply_updates` in one `jax.jit` step
   with the params and optimizer state donated (`donate_argnums=(0, 1)`);
+- the same step coalescing as the first core did (a sort carrying the permutation);
 - the same step without donation (XLA then copies every table each step);
 - optax.adam + optax.apply_updates on the equivalent dense V x D gradient;
 - torch.optim.SparseAdam.step (if torch is installed) on the same gradient;
@@ -72,12 +73,14 @@ def main(argv=None) -> None:
     bf16 = None
     if args.bf16_moments:
       bf16 = c.time_sparse_adam(ids, values, v, mu_dtype="bfloat16", nu_dtype="bfloat16", **timing)
+    with c.permutation_sort_baseline():
+      baseline = c.time_sparse_adam(ids, values, v, **timing)
     undonated = c.time_sparse_adam(ids, values, v, donate=False, steps=3, repeats=2)
     if dense is None and not args.no_dense:
       dense = c.time_optax_adam_dense(ids, values, v)
     torch_s = c.time_torch_sparse_adam(ids, values, v, **timing) if use_torch else None
     floor = c.memory_floor(ids, d)
-    rows.append((dist, c.touched_rows(ids), ours, bf16, undonated, dense, torch_s, floor))
+    rows.append((dist, c.touched_rows(ids), ours, baseline, bf16, undonated, dense, torch_s, floor))
 
   print(
     "| ids | distinct rows | sparse_adam (donated) | without donation | optax.adam dense "
