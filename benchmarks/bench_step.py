@@ -83,16 +83,17 @@ def main(argv=None) -> None:
     rows.append((dist, c.touched_rows(ids), ours, baseline, bf16, undonated, dense, torch_s, floor))
 
   print(
-    "| ids | distinct rows | sparse_adam (donated) | without donation | optax.adam dense "
-    "| torch SparseAdam | memory floor | torch / ours | ours / floor | dense / ours |"
+    "| ids | distinct rows | sparse_adam (donated) | permutation-sort baseline "
+    "| without donation | optax.adam dense | torch SparseAdam | memory floor "
+    "| torch / ours | ours / floor | dense / ours | baseline / ours |"
     + (" bf16 moments |" if args.bf16_moments else "")
   )
-  print("|---" * (10 + args.bf16_moments) + "|")
-  for dist, touched, ours, bf16, undonated, dense_s, torch_s, floor in rows:
+  print("|---" * (12 + args.bf16_moments) + "|")
+  for dist, touched, ours, baseline, bf16, undonated, dense_s, torch_s, floor in rows:
     print(
-      f"| {dist} | {touched:.0f} | {c.ms(ours)} | {c.ms(undonated)} | {c.ms(dense_s)} "
-      f"| {c.ms(torch_s)} | {c.ms(floor)} | {c.ratio(torch_s, ours)} "
-      f"| {c.ratio(ours, floor)} | {c.ratio(dense_s, ours)} |"
+      f"| {dist} | {touched:.0f} | {c.ms(ours)} | {c.ms(baseline)} | {c.ms(undonated)} "
+      f"| {c.ms(dense_s)} | {c.ms(torch_s)} | {c.ms(floor)} | {c.ratio(torch_s, ours)} "
+      f"| {c.ratio(ours, floor)} | {c.ratio(dense_s, ours)} | {c.ratio(baseline, ours)} |"
       + (f" {c.ms(bf16)} |" if args.bf16_moments else "")
     )
   print()
