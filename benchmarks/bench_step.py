@@ -47,7 +47,7 @@ def main(argv=None) -> None:
     help="table sizes V for the flat-in-V check (empty to skip)",
   )
   parser.add_argument("--steps", type=int, default=20, help="steps per timed run")
-  parser.add_argument("--repeats", type=int, default=5, help="timed runs; the fastest counts")
+  parser.add_argument("--repeats", type=int, default=3, help="timed runs; the fastest counts")
   parser.add_argument("--no-torch", action="store_true", help="skip torch.optim.SparseAdam")
   parser.add_argument("--no-dense", action="store_true", help="skip dense optax.adam")
   parser.add_argument(
