@@ -292,8 +292,9 @@ def coalesce_and_gather_rows(
   """`coalesce_rows`, plus the rows of `tables` at the distinct rows, the fast way.
 
   The result equals `coalesce_rows(rows, values, num_rows)` bit for bit, and
-  the gathered rows equal `gather_rows(table, coalesced.rows)`. When one of the
-  tables can hold slot numbers (`can_mark`), it serves as scratch for
+  the gathered rows equal `gather_rows(table, coalesced.rows)`. Under a trace
+  (jit), when one of the tables can hold slot numbers (`can_mark`), it serves as
+  scratch for
   `segments_by_marking`: the caller must then scatter whole rows into every
   touched row of the returned tables, as an Adam step does with its moments.
 
@@ -319,7 +320,12 @@ def coalesce_and_gather_rows(
   sorted_rows = sort_rows(rows, num_rows)
   unique_rows = sorted_rows.unique_rows
   gathered = [None if t is None else gather_rows(t, unique_rows) for t in tables]
-  scratch = next((k for k, t in enumerate(tables) if t is not None and can_mark(t, nse)), None)
+  # Only under a trace (jit): eagerly, every scatter copies its whole table, and
+  # marking would add one more such copy to the step.
+  scratch = next(
+    (k for k, t in enumerate(tables) if isinstance(t, jax.core.Tracer) and can_mark(t, nse)),
+    None,
+  )
   if scratch is None:
     segment = segments_by_search(rows, sorted_rows, num_rows)
   else:

@@ -1,11 +1,11 @@
 """The fast coalescing path (payload-free sort, slots marked in a moment table) is exact.
 
-`coalesce_and_gather_rows` finds each entry's slot by writing slot numbers into
-a moment table and reading them back; `coalesce_rows` finds them by binary
-search. Both must equal an independent NumPy coalescing (input-order sums) bit
-for bit, and a whole `sparse_adam` step must match the NumPy reference of
-torch.optim.SparseAdam on whichever path it takes, leaving untouched rows,
-and the scratch values, nowhere.
+Under jit, `coalesce_and_gather_rows` finds each entry's slot by writing slot
+numbers into a moment table and reading them back; eagerly, and in
+`coalesce_rows`, by binary search. Both must equal an independent NumPy
+coalescing (input-order sums) bit for bit, and a whole `sparse_adam` step must
+match the NumPy reference of torch.optim.SparseAdam on whichever path it takes,
+leaving untouched rows, and the scratch values, nowhere.
 """
 
 import jax
