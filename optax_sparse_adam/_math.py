@@ -267,39 +267,47 @@ def _leaf_step(
 ) -> tuple[sparse.BCOO, LeafState]:
   """`sparse_adam_leaf_step`, traced in the caller's sharding mode."""
   layout = _bcoo.row_layout(grad, state.mu.shape, path)
+  uses_weight_decay = not (_is_python_number(coeffs.weight_decay) and coeffs.weight_decay == 0)
+  if uses_weight_decay and param is None:
+    raise ValueError(
+      f"Parameter at {path_str(path)} is needed for weight decay: pass params "
+      "to update(grads, state, params)."
+    )
+  row_step = state.row_step
+  if row_step is not None and row_step.shape != (layout.num_rows,):
+    raise ValueError(
+      f"Sparse gradient at {path_str(path)} indexes {layout.num_rows} rows "
+      f"(sparse dims {layout.sparse_shape}) but per-row bias correction keeps "
+      f"{row_step.shape[0]} row steps, one per index of the leading dim. Use "
+      "n_sparse=1 gradients (bcoo_update_layout(grad, n_dense=ndim - 1))."
+    )
   step = optax.safe_increment(state.step)
-  coalesced = _bcoo.coalesce_rows(
-    _bcoo.linear_rows(grad.indices, layout), grad.data, layout.num_rows
+  compute_dtype = jnp.result_type(jnp.float32, grad.dtype, state.mu.dtype, state.nu.dtype)
+
+  tables = (
+    _bcoo.as_rows(state.mu, layout),
+    _bcoo.as_rows(state.nu, layout),
+    None if state.nu_max is None else _bcoo.as_rows(state.nu_max, layout),
+  )
+  # The moments' old rows are gathered while the gradient is coalesced; one
+  # moment table may come back holding scratch values in the touched rows,
+  # which the scatters below overwrite.
+  coalesced, (mu_old, nu_old, nu_max_old), (mu_table, nu_table, nu_max_table) = (
+    _bcoo.coalesce_and_gather_rows(
+      _bcoo.linear_rows(grad.indices, layout), grad.data, layout.num_rows, tables
+    )
   )
   rows = coalesced.rows
-  compute_dtype = jnp.result_type(jnp.float32, grad.dtype, state.mu.dtype, state.nu.dtype)
   g = coalesced.values.astype(compute_dtype)
   if maximize:
     g = -g
-  uses_weight_decay = not (_is_python_number(coeffs.weight_decay) and coeffs.weight_decay == 0)
   param_rows = None
   if uses_weight_decay:
-    if param is None:
-      raise ValueError(
-        f"Parameter at {path_str(path)} is needed for weight decay: pass params "
-        "to update(grads, state, params)."
-      )
     param_rows = _bcoo.gather_rows(_bcoo.as_rows(param, layout), rows).astype(compute_dtype)
     if not decoupled_weight_decay:
       g = g + jnp.asarray(coeffs.weight_decay, compute_dtype) * param_rows
 
-  mu_table = _bcoo.as_rows(state.mu, layout)
-  nu_table = _bcoo.as_rows(state.nu, layout)
-  nu_max_table = None if state.nu_max is None else _bcoo.as_rows(state.nu_max, layout)
-  row_step = state.row_step
   if row_step is not None:
-    if row_step.shape != (layout.num_rows,):
-      raise ValueError(
-        f"Sparse gradient at {path_str(path)} indexes {layout.num_rows} rows "
-        f"(sparse dims {layout.sparse_shape}) but per-row bias correction keeps "
-        f"{row_step.shape[0]} row steps, one per index of the leading dim. Use "
-        "n_sparse=1 gradients (bcoo_update_layout(grad, n_dense=ndim - 1))."
-      )
     new_row_steps = optax.safe_increment(_bcoo.gather_rows(row_step, rows))
     row_step_size = bias_corrected_step_size(coeffs, jnp.maximum(new_row_steps, 1))
     step_size = row_step_size.reshape(row_step_size.shape + (1,) * len(layout.dense_shape))
@@ -309,9 +317,9 @@ def _leaf_step(
 
   delta, mu_rows, nu_rows, nu_max_rows = adam_rows(
     g,
-    _bcoo.gather_rows(mu_table, rows),
-    _bcoo.gather_rows(nu_table, rows),
-    None if nu_max_table is None else _bcoo.gather_rows(nu_max_table, rows),
+    mu_old,
+    nu_old,
+    nu_max_old,
     step_size,
     coeffs,
     compute_dtype=compute_dtype,

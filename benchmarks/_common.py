@@ -1,0 +1,331 @@
+"""Shared pieces of the benchmarks: id streams, timed steps, the memory floor.
+
+Every timing is the best of `repeats` runs of `steps` back-to-back steps (the
+mean step of the fastest run): on a shared machine the fastest run is the one
+least disturbed by other processes. Ratios are taken between timings made in
+the same process, one after the other.
+"""
+
+import contextlib
+import os
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from jax.experimental import sparse  # noqa: E402
+
+import optax_sparse_adam as osa  # noqa: E402
+from optax_sparse_adam import _bcoo  # noqa: E402
+
+try:
+  import torch
+except ImportError:  # torch is optional: its rows are skipped.
+  torch = None
+
+ZIPF_EXPONENT = 1.2
+NUM_BATCHES = 8  # Distinct gradients cycled through, so no step sees a warm repeat.
+
+_zipf_cdf_cache: dict[tuple[int, float], tuple[np.ndarray, np.ndarray]] = {}
+
+
+def zipf_ids(rng: np.random.Generator, num_rows: int, size: int, s: float = ZIPF_EXPONENT):
+  """`size` ids in `[0, num_rows)`, rank k drawn with probability ~ k**-s.
+
+  Ranks are mapped to ids by a fixed random permutation, so popular rows are
+  spread over the table as in a real vocabulary, not packed at its start.
+  """
+  key = (num_rows, s)
+  if key not in _zipf_cdf_cache:
+    cdf = np.cumsum(np.arange(1, num_rows + 1, dtype=np.float64) ** -s)
+    cdf /= cdf[-1]
+    perm = np.random.default_rng(12345).permutation(num_rows).astype(np.int32)
+    _zipf_cdf_cache[key] = (cdf, perm)
+  cdf, perm = _zipf_cdf_cache[key]
+  ranks = np.minimum(np.searchsorted(cdf, rng.random(size)), num_rows - 1)
+  return perm[ranks]
+
+
+def uniform_ids(rng: np.random.Generator, num_rows: int, size: int):
+  return rng.integers(0, num_rows, size, dtype=np.int32)
+
+
+def id_batches(dist: str, num_rows: int, batch: int, seed: int = 0) -> list[np.ndarray]:
+  rng = np.random.default_rng(seed)
+  draw = zipf_ids if dist == "zipf" else uniform_ids
+  return [draw(rng, num_rows, batch) for _ in range(NUM_BATCHES)]
+
+
+def grad_values(batch: int, dim: int, seed: int = 1) -> list[np.ndarray]:
+  rng = np.random.default_rng(seed)
+  return [rng.standard_normal((batch, dim), dtype=np.float32) for _ in range(NUM_BATCHES)]
+
+
+def best_step_time(run_steps: Callable[[int], None], steps: int, repeats: int) -> float:
+  """Seconds per step: the fastest of `repeats` runs of `steps` steps."""
+  run_steps(2)  # warm-up, compilation included
+  best = float("inf")
+  for _ in range(repeats):
+    start = time.perf_counter()
+    run_steps(steps)
+    best = min(best, (time.perf_counter() - start) / steps)
+  return best
+
+
+def _coalesce_by_permutation_sort(rows, values, num_rows):
+  """The first core's coalescing, kept as a baseline: a stable sort carrying the permutation."""
+  nse = rows.shape[0]
+  slots = jnp.arange(nse, dtype=jnp.int32)
+  sorted_rows, order = jax.lax.sort((rows, slots), num_keys=1, is_stable=True)
+  is_first = jnp.concatenate([jnp.ones((1,), bool), sorted_rows[1:] != sorted_rows[:-1]])
+  segment_of_sorted = jnp.cumsum(is_first, dtype=jnp.int32) - 1
+  segment = jnp.zeros((nse,), jnp.int32).at[order].set(segment_of_sorted, unique_indices=True)
+  summed = jnp.zeros_like(values).at[segment].add(values, mode="promise_in_bounds")
+  unique_rows = (
+    jnp.full((nse,), num_rows, jnp.int32)
+    .at[jnp.where(is_first, segment_of_sorted, nse)]
+    .set(sorted_rows, mode="drop", unique_indices=True)
+  )
+  valid = unique_rows < num_rows
+  unique_rows = jnp.where(valid, unique_rows, num_rows + slots)
+  summed = jnp.where(valid.reshape((nse,) + (1,) * (values.ndim - 1)), summed, 0)
+  return _bcoo.CoalescedRows(unique_rows, summed)
+
+
+@contextlib.contextmanager
+def permutation_sort_baseline() -> Iterator[None]:
+  """Inside this block sparse_adam coalesces as the first core did (sort with a payload)."""
+  fast = _bcoo.coalesce_and_gather_rows
+
+  def baseline(rows, values, num_rows, tables):
+    coalesced = _coalesce_by_permutation_sort(rows, values, num_rows)
+    gathered = [None if t is None else _bcoo.gather_rows(t, coalesced.rows) for t in tables]
+    return coalesced, gathered, list(tables)
+
+  _bcoo.coalesce_and_gather_rows = baseline
+  try:
+    yield
+  finally:
+    _bcoo.coalesce_and_gather_rows = fast
+
+
+def time_sparse_adam(
+  ids: list[np.ndarray],
+  values: list[np.ndarray],
+  num_rows: int,
+  *,
+  donate: bool = True,
+  steps: int = 20,
+  repeats: int = 5,
+  **opt_kwargs: Any,
+) -> float:
+  """sparse_adam.update + apply_updates in one jitted step, params and state donated."""
+  dim = values[0].shape[1]
+  opt = osa.sparse_adam(1e-3, **opt_kwargs)
+  params = {"table": jnp.zeros((num_rows, dim), jnp.float32)}
+  state = opt.init(params)
+  grads = [
+    {"table": sparse.BCOO((jnp.asarray(v), jnp.asarray(i[:, None])), shape=(num_rows, dim))}
+    for i, v in zip(ids, values, strict=True)
+  ]
+
+  def step(params, state, grads):
+    updates, state = opt.update(grads, state, params)
+    return osa.apply_updates(params, updates), state
+
+  jitted = jax.jit(step, donate_argnums=(0, 1) if donate else ())
+  carry = [params, state]
+
+  def run(n):
+    p, s = carry
+    for k in range(n):
+      p, s = jitted(p, s, grads[k % len(grads)])
+    jax.block_until_ready((p, s))
+    carry[:] = [p, s]
+
+  seconds = best_step_time(run, steps, repeats)
+  return seconds
+
+
+def time_multi_table(
+  tables: dict[str, tuple[list[np.ndarray], list[np.ndarray], int]],
+  *,
+  fused: bool,
+  steps: int = 10,
+  repeats: int = 3,
+) -> float:
+  """One step over many embedding tables: one jitted call for all, or one call per table.
+
+  `tables` maps a name to `(ids, values, num_rows)`. Returns seconds per step
+  (for `fused=False`, the sum over the tables' separate jitted steps).
+  """
+  opt = osa.sparse_adam(1e-3)
+
+  def step(params, state, grads):
+    updates, state = opt.update(grads, state, params)
+    return osa.apply_updates(params, updates), state
+
+  jitted = jax.jit(step, donate_argnums=(0, 1))
+  groups = [list(tables)] if fused else [[name] for name in tables]
+  carries, batches = [], []
+  for names in groups:
+    params = {n: jnp.zeros((tables[n][2], tables[n][1][0].shape[1]), jnp.float32) for n in names}
+    carries.append([params, opt.init(params)])
+    batches.append(
+      [
+        {
+          n: sparse.BCOO(
+            (jnp.asarray(tables[n][1][k]), jnp.asarray(tables[n][0][k][:, None])),
+            shape=params[n].shape,
+          )
+          for n in names
+        }
+        for k in range(NUM_BATCHES)
+      ]
+    )
+
+  def run(n):
+    for carry, grads in zip(carries, batches, strict=True):
+      p, s = carry
+      for k in range(n):
+        p, s = jitted(p, s, grads[k % len(grads)])
+      carry[:] = [p, s]
+    jax.block_until_ready(carries)
+
+  seconds = best_step_time(run, steps, repeats)
+  return seconds
+
+
+def time_optax_adam_dense(
+  ids: list[np.ndarray],
+  values: list[np.ndarray],
+  num_rows: int,
+  *,
+  steps: int = 5,
+  repeats: int = 3,
+) -> float:
+  """optax.adam + optax.apply_updates on the equivalent dense gradient, donated.
+
+  The dense gradients are built before timing: only the optimizer step is timed.
+  """
+  dim = values[0].shape[1]
+  opt = optax.adam(1e-3)
+  params = jnp.zeros((num_rows, dim), jnp.float32)
+  state = opt.init(params)
+  # Two dense gradients are enough to cycle through; each is num_rows x dim.
+  grads = [
+    jnp.zeros((num_rows, dim), jnp.float32).at[jnp.asarray(i)].add(jnp.asarray(v))
+    for i, v in zip(ids[:2], values[:2], strict=True)
+  ]
+
+  def step(params, state, grad):
+    updates, state = opt.update(grad, state, params)
+    return optax.apply_updates(params, updates), state
+
+  jitted = jax.jit(step, donate_argnums=(0, 1))
+  carry = [params, state]
+
+  def run(n):
+    p, s = carry
+    for k in range(n):
+      p, s = jitted(p, s, grads[k % len(grads)])
+    jax.block_until_ready((p, s))
+    carry[:] = [p, s]
+
+  seconds = best_step_time(run, steps, repeats)
+  return seconds
+
+
+def time_torch_sparse_adam(
+  ids: list[np.ndarray],
+  values: list[np.ndarray],
+  num_rows: int,
+  *,
+  steps: int = 20,
+  repeats: int = 5,
+) -> float | None:
+  """torch.optim.SparseAdam.step on uncoalesced sparse gradients (it coalesces them itself).
+
+  Timed with torch's default thread count and with one thread; the faster
+  counts (on a busy machine OpenMP's barriers make the multi-threaded run slow).
+  """
+  if torch is None:
+    return None
+  default_threads = torch.get_num_threads()
+  try:
+    timings = []
+    for threads in sorted({default_threads, 1}):
+      torch.set_num_threads(threads)
+      timings.append(_time_torch(ids, values, num_rows, steps=steps, repeats=repeats))
+    return min(timings)
+  finally:
+    torch.set_num_threads(default_threads)
+
+
+def _time_torch(ids, values, num_rows, *, steps, repeats):
+  dim = values[0].shape[1]
+  param = torch.nn.Parameter(torch.zeros(num_rows, dim))
+  opt = torch.optim.SparseAdam([param], lr=1e-3)
+  grads = [
+    torch.sparse_coo_tensor(
+      torch.from_numpy(i.astype(np.int64))[None],
+      torch.from_numpy(v),
+      (num_rows, dim),
+      check_invariants=False,
+    )
+    for i, v in zip(ids, values, strict=True)
+  ]
+
+  def run(n):
+    for k in range(n):
+      param.grad = grads[k % len(grads)]
+      opt.step()
+
+  with torch.no_grad():
+    seconds = best_step_time(run, steps, repeats)
+  return seconds
+
+
+def touched_rows(ids: list[np.ndarray]) -> float:
+  """Mean number of distinct rows per batch."""
+  return float(np.mean([np.unique(i).size for i in ids]))
+
+
+def memory_floor(ids: list[np.ndarray], dim: int, *, repeats: int = 20) -> float:
+  """Seconds to copy the bytes a masked step must touch, as one contiguous copy.
+
+  A masked step reads and writes the touched rows of the parameter, m and v:
+  `3 * rows * dim` float32 values read and written. Copying that many values
+  contiguously is a lower bound no row-scattered step can beat.
+  """
+  n = 3 * int(round(touched_rows(ids))) * dim
+  src = np.random.default_rng(0).standard_normal(n, dtype=np.float32)
+  dst = np.empty_like(src)
+  best = float("inf")
+  for _ in range(repeats):
+    start = time.perf_counter()
+    for _ in range(10):
+      np.copyto(dst, src)
+    best = min(best, (time.perf_counter() - start) / 10)
+  return best
+
+
+def machine() -> str:
+  threads = f", torch threads {torch.get_num_threads()} or 1" if torch is not None else ""
+  return (
+    f"{os.cpu_count()} CPUs, jax {jax.__version__} ({jax.default_backend()}), "
+    f"optax {optax.__version__}" + (f", torch {torch.__version__}{threads}" if torch else "")
+  )
+
+
+def ms(seconds: float | None) -> str:
+  return "—" if seconds is None else f"{seconds * 1e3:.3f} ms"
+
+
+def ratio(a: float | None, b: float | None) -> str:
+  return "—" if a is None or b is None else f"{a / b:.2f}x"

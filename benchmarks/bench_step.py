@@ -1,0 +1,131 @@
+"""Step time of sparse_adam against torch.optim.SparseAdam, dense optax.adam and the memory floor.
+
+Times one training-step update of an embedding table of V rows of D float32
+values from a gradient with B ids, drawn Zipf-like (s=1.2, popular rows repeat)
+or uniformly:
+
+- sparse_adam: `sparse_adam.update` + `apply_updates` in one `jax.jit` step
+  with the params and optimizer state donated (`donate_argnums=(0, 1)`);
+- the same step coalescing as the first core did (a sort carrying the permutation);
+- the same step without donation (XLA then copies every table each step);
+- optax.adam + optax.apply_updates on the equivalent dense V x D gradient;
+- torch.optim.SparseAdam.step (if torch is installed) on the same gradient;
+- the memory floor: one contiguous copy of the bytes the masked step must read
+  and write (the touched rows of the parameter, m and v).
+
+Then the sparse_adam and torch steps at several table sizes V, same B, to show
+the cost does not grow with V. All figures of one run come from one process;
+compare ratios, not absolute times, on a shared machine.
+
+Run from the repository root:
+
+  python -m benchmarks.bench_step            # about 2-3 minutes
+  python -m benchmarks.bench_step --quick    # a smaller, faster run
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks import _common as c  # noqa: E402
+
+
+def main(argv=None) -> None:
+  parser = argparse.ArgumentParser(
+    description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+  )
+  parser.add_argument("--vocab", type=int, default=1_000_000, help="rows V of the headline table")
+  parser.add_argument("--dim", type=int, default=64, help="row width D")
+  parser.add_argument("--batch", type=int, default=4096, help="ids B per gradient")
+  parser.add_argument(
+    "--sweep",
+    type=int,
+    nargs="*",
+    default=[100_000, 1_000_000, 4_000_000],
+    help="table sizes V for the flat-in-V check (empty to skip)",
+  )
+  parser.add_argument("--steps", type=int, default=20, help="steps per timed run")
+  parser.add_argument("--repeats", type=int, default=3, help="timed runs; the fastest counts")
+  parser.add_argument("--no-torch", action="store_true", help="skip torch.optim.SparseAdam")
+  parser.add_argument("--no-dense", action="store_true", help="skip dense optax.adam")
+  parser.add_argument(
+    "--bf16-moments", action="store_true", help="also time mu_dtype=nu_dtype=bfloat16"
+  )
+  parser.add_argument("--quick", action="store_true", help="V=100k headline, sweep 100k and 1M")
+  args = parser.parse_args(argv)
+  if args.quick:
+    args.vocab, args.sweep, args.steps, args.repeats = 100_000, [100_000, 1_000_000], 10, 3
+  use_torch = not args.no_torch and c.torch is not None
+  v, d, b = args.vocab, args.dim, args.batch
+  timing = dict(steps=args.steps, repeats=args.repeats)
+
+  print(f"# sparse_adam step benchmark: V={v:,}, D={d}, B={b:,}, float32")
+  print(f"machine: {c.machine()}")
+  print("times: best of", args.repeats, "runs of", args.steps, "steps; ratios from this run\n")
+
+  rows = []
+  dense = None
+  for dist in ("zipf", "uniform"):
+    ids, values = c.id_batches(dist, v, b), c.grad_values(b, d)
+    ours = c.time_sparse_adam(ids, values, v, **timing)
+    bf16 = None
+    if args.bf16_moments:
+      bf16 = c.time_sparse_adam(ids, values, v, mu_dtype="bfloat16", nu_dtype="bfloat16", **timing)
+    with c.permutation_sort_baseline():
+      baseline = c.time_sparse_adam(ids, values, v, **timing)
+    undonated = c.time_sparse_adam(ids, values, v, donate=False, steps=3, repeats=2)
+    if dense is None and not args.no_dense:
+      dense = c.time_optax_adam_dense(ids, values, v)
+    torch_s = c.time_torch_sparse_adam(ids, values, v, **timing) if use_torch else None
+    floor = c.memory_floor(ids, d)
+    rows.append((dist, c.touched_rows(ids), ours, baseline, bf16, undonated, dense, torch_s, floor))
+
+  print(
+    "| ids | distinct rows | sparse_adam (donated) | permutation-sort baseline "
+    "| without donation | optax.adam dense | torch SparseAdam | memory floor "
+    "| torch / ours | ours / floor | dense / ours | baseline / ours |"
+    + (" bf16 moments |" if args.bf16_moments else "")
+  )
+  print("|---" * (12 + args.bf16_moments) + "|")
+  for dist, touched, ours, baseline, bf16, undonated, dense_s, torch_s, floor in rows:
+    print(
+      f"| {dist} | {touched:.0f} | {c.ms(ours)} | {c.ms(baseline)} | {c.ms(undonated)} "
+      f"| {c.ms(dense_s)} | {c.ms(torch_s)} | {c.ms(floor)} | {c.ratio(torch_s, ours)} "
+      f"| {c.ratio(ours, floor)} | {c.ratio(dense_s, ours)} | {c.ratio(baseline, ours)} |"
+      + (f" {c.ms(bf16)} |" if args.bf16_moments else "")
+    )
+  print()
+  print("Targets (issue 6): torch / ours >= 3 on both id streams; ours / floor <= 4.")
+  print("Without donation XLA copies param, m and v whole every step: donate them.\n")
+
+  if args.sweep:
+    print(f"## Flat in V (B={b:,}, D={d})\n")
+    print("| V | sparse_adam zipf | sparse_adam uniform | torch zipf | torch uniform |")
+    print("|---|---|---|---|---|")
+    sweep = {}
+    for vocab in args.sweep:
+      cells = []
+      for who in ("ours", "torch"):
+        for dist in ("zipf", "uniform"):
+          ids, values = c.id_batches(dist, vocab, b), c.grad_values(b, d)
+          if who == "ours":
+            seconds = c.time_sparse_adam(ids, values, vocab, **timing)
+          else:
+            seconds = c.time_torch_sparse_adam(ids, values, vocab, **timing) if use_torch else None
+          sweep[(vocab, who, dist)] = seconds
+          cells.append(c.ms(seconds))
+      print(f"| {vocab:,} | " + " | ".join(cells) + " |", flush=True)
+    lo, hi = min(args.sweep), max(args.sweep)
+    for dist in ("zipf", "uniform"):
+      print(
+        f"\nsparse_adam {dist}: V={hi:,} / V={lo:,} = "
+        f"{c.ratio(sweep[(hi, 'ours', dist)], sweep[(lo, 'ours', dist)])} (target <= 1.2x)",
+        end="",
+      )
+    print()
+
+
+if __name__ == "__main__":
+  main()
