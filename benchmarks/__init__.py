@@ -1,1 +1,1 @@
-"""Benchmarks of optax_sparse_adam; run them from the repository root (see docs/performance.md)."""
+"""Benchmarks of optax_sparse_adam; run them from the repository root (see the README, Performance)."""

@@ -1,4 +1,4 @@
-"""The catalogue of bad inputs (docs/reliability.md): each one fails with a clear error, and
+"""The catalogue of bad inputs (README, Reliability): each one fails with a clear error, and
 a failed call changes nothing.
 
 Errors are checked for the three parts of a useful message: where (the leaf's pytree

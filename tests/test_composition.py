@@ -1,4 +1,4 @@
-"""Every row of docs/composition.md: optax transforms and combinators applied to BCOO gradients.
+"""Every row of the README's composition table: optax transforms and combinators applied to BCOO gradients.
 
 Each verdict is proven against a dense equivalent computed with optax on dense
 gradients (or the NumPy reference of SparseAdam): the composed result equals the
@@ -455,7 +455,7 @@ def test_corrupted_indices_are_refused_clearly(entry, jit):
 
 
 def test_documented_composition_compiles_once_and_keeps_untouched_rows():
-  """The example of docs/composition.md, in a jitted training loop."""
+  """The example of the README's composition section, in a jitted training loop."""
   opt = osa.sparse_apply_if_finite(
     optax.chain(
       osa.lift_to_bcoo(optax.clip_by_global_norm(1.0)),

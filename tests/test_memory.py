@@ -109,7 +109,7 @@ def test_donated_step_in_place_for_every_layout_and_many_tables():
 @pytest.mark.xfail(
   strict=True,
   reason="XLA:CPU has no bfloat16 scatter: it converts the whole bf16 moment table "
-  "to float32 and back around each scatter (see docs/performance.md)",
+  "to float32 and back around each scatter (see the README, Performance)",
 )
 def test_bf16_moments_in_place():
   rng = np.random.default_rng(4)

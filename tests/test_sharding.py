@@ -148,9 +148,8 @@ def test_single_device_state_is_unchanged_by_sharding_support():
   assert _sharding.explicit_axes() == ()
 
 
-@pytest.mark.slow
 def test_two_processes_with_jax_distributed_match_one_device():
-  """Stretch goal: jax.distributed over 2 local processes (gloo), 4 CPU devices each."""
+  """jax.distributed over 2 local processes (gloo CPU collectives), 4 CPU devices each."""
   done = subprocess.run(
     [sys.executable, str(ROOT / "examples" / "two_process_sharded.py"), "--json"],
     capture_output=True,
