@@ -1,1 +1,1 @@
-"""Benchmarks of optax_sparse_adam; run them from the repository root (see the README, Performance)."""
+"""Benchmarks of optax_sparse_adam; run them from the repository root (README: Performance)."""

@@ -1,4 +1,4 @@
-"""Every row of the README's composition table: optax transforms and combinators applied to BCOO gradients.
+"""Every row of the README's composition table: optax transforms applied to BCOO gradients.
 
 Each verdict is proven against a dense equivalent computed with optax on dense
 gradients (or the NumPy reference of SparseAdam): the composed result equals the

@@ -4,7 +4,7 @@ benchmarks/mixed_precision_drift.py trains a small table for 1,000 steps (one
 `lax.scan`) and compares it with float64 NumPy references of torch's algorithm: an exact
 one (the drift that low-precision storage costs) and one whose params are rounded to the
 low-precision dtype after every step (the drift our arithmetic adds on top, which must
-stay within two units in the last place). The README (Reliability, Mixed precision) prints its table.
+stay within two units in the last place). The README (Mixed precision) prints its table.
 """
 
 import importlib.util
