@@ -43,10 +43,11 @@ def table_shaped_values(hlo_text: str, shape: str) -> list[tuple[str, str]]:
 def dense_table_temporaries(compiled, shape: str, num_donated: int) -> list[str]:
   """Problems with `shape`-d arrays in a compiled step; empty when there is no V x D temporary.
 
-  Allowed: `num_donated` parameters (the table and its moments), one in-place
-  scatter per parameter (each updates a donated buffer), bitcasts and tuple
-  plumbing. Also checked: the donated buffers alias outputs, and XLA's temporary
-  allocation is smaller than one table.
+  Allowed: `num_donated` parameters (the table and its moments), scatters into
+  them (the row updates, and the step's scratch marks in the first moment),
+  bitcasts and tuple plumbing. Also checked: the donated buffers alias outputs,
+  and XLA's temporary allocation is smaller than one table, so every scatter
+  updates a donated buffer in place rather than a copy of it.
   """
   text = compiled.as_text()
   values = table_shaped_values(text, shape)
@@ -59,8 +60,6 @@ def dense_table_temporaries(compiled, shape: str, num_donated: int) -> list[str]
   others = [v for v in writes if v[1] != "scatter"]
   if others:
     problems.append(f"{shape} values that are not scatters into a donated buffer: {others}")
-  if len(writes) > num_donated:
-    problems.append(f"{len(writes)} {shape} scatters, expected at most {num_donated}")
   if "input_output_alias" not in text:
     problems.append("no input_output_alias: the buffers were not donated")
   rows, cols = (int(d) for d in re.findall(r"\d+", shape.split("[")[1]))
