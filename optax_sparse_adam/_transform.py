@@ -232,6 +232,9 @@ def _scale_by_sparse_adam(
         )
 
     lr = learning_rate(state.count) if callable(learning_rate) else learning_rate
+    # A zero the compiler cannot see through: the math rounds each product before
+    # adding it, as torch does, instead of XLA contracting the pair into an FMA.
+    opaque_zero = jnp.minimum(state.count, 0)
     coeffs = _math.adam_coefficients(lr, b1, b2, eps, weight_decay)
     new_updates, new = [], []
     for (path, grad), step, mu, nu, nu_max, row_step, param in zip(
@@ -257,6 +260,7 @@ def _scale_by_sparse_adam(
         maximize=maximize,
         decoupled_weight_decay=decoupled_weight_decay,
         path=path,
+        opaque_zero=opaque_zero,
       )
       # The update carries the gradient's BCOO metadata, so updates keep the
       # gradients' tree structure: lax.cond wrappers such as optax.apply_if_finite
@@ -361,8 +365,8 @@ def sparse_adam(
     >>> state = opt.init(params)
     >>> grad = sparse.BCOO((jnp.ones((2, 2)), jnp.array([[3], [3]])), shape=(5, 2))
     >>> updates, state = opt.update({"table": grad}, state)
-    >>> osa.apply_updates(params, updates)["table"][3]
-    Array([-0.1, -0.1], dtype=float32)
+    >>> osa.apply_updates(params, updates)["table"][3]  # lr * sign(g) at the first step
+    Array([-0.09999999, -0.09999999], dtype=float32)
 
   References:
     `torch.optim.SparseAdam`,
