@@ -229,25 +229,35 @@ def sparse_adam_leaf_step(
     new state has the sharding of `state`; under a mesh with `Explicit` axes the
     update is replicated (it holds the gradient's entries, not the table's).
   """
-  kwargs = dict(
-    coeffs=coeffs,
-    maximize=maximize,
-    decoupled_weight_decay=decoupled_weight_decay,
-    step_size=step_size,
-    path=path,
-    opaque_zero=opaque_zero,
-  )
+  static = dict(maximize=maximize, decoupled_weight_decay=decoupled_weight_decay, path=path)
   if not _sharding.explicit_axes():
-    return _leaf_step(grad, state, param, **kwargs)
+    return _leaf_step(
+      grad, state, param, coeffs=coeffs, step_size=step_size, opaque_zero=opaque_zero, **static
+    )
 
-  def leaf_step_arrays(grad, state, param):
-    update, new_state = _leaf_step(grad, state, param, **kwargs)
+  # Arrays reach the auto-axes region as arguments, not closures: a closed-over
+  # value typed on the Explicit mesh would not match the region's Auto mesh.
+  # Python floats stay closed over, so their static paths (no weight decay) hold.
+  coeff_arrays = {k: v for k, v in coeffs._asdict().items() if isinstance(v, jax.Array)}
+
+  def leaf_step_arrays(grad, state, param, coeff_arrays, step_size, opaque_zero):
+    update, new_state = _leaf_step(
+      grad,
+      state,
+      param,
+      coeffs=coeffs._replace(**coeff_arrays),
+      step_size=step_size,
+      opaque_zero=opaque_zero,
+      **static,
+    )
     return (update.data, update.indices), new_state
 
   replicated = PartitionSpec()
   state_specs = jax.tree_util.tree_map(_sharding.spec_of, state)
   (data, indices), new_state = _sharding.call_with_auto_axes(
-    leaf_step_arrays, (grad, state, param), ((replicated, replicated), state_specs)
+    leaf_step_arrays,
+    (grad, state, param, coeff_arrays, step_size, opaque_zero),
+    ((replicated, replicated), state_specs),
   )
   update = sparse.BCOO((data, indices), shape=grad.shape, indices_sorted=True, unique_indices=True)
   return update, new_state

@@ -25,6 +25,7 @@ import sys  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+import optax  # noqa: E402
 from jax.experimental import sparse  # noqa: E402
 from jax.sharding import AxisType, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
@@ -169,8 +170,13 @@ def main():
   results = {"num_devices": jax.device_count(), "table_bytes": table_bytes, "runs": {}}
   optimizers = {
     "plain": osa.sparse_adam(1e-2),
+    # A schedule makes the learning rate an array traced from the state's count,
+    # which must reach the Explicit-mesh step as an argument, not a closure.
     "amsgrad_per_row_wd": osa.sparse_adamw(
-      1e-2, weight_decay=0.1, amsgrad=True, per_row_bias_correction=True
+      optax.linear_schedule(1e-2, 5e-3, 3),
+      weight_decay=0.1,
+      amsgrad=True,
+      per_row_bias_correction=True,
     ),
   }
   references = {name: train(opt, data) for name, opt in optimizers.items()}
