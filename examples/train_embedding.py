@@ -4,7 +4,7 @@ Two embedding tables (users, items) predict ratings as dot products. The gradien
 of each table is a BCOO (the looked-up ids and the cotangents of the looked-up
 rows), so a step reads and writes only the rows in the batch, never the tables.
 
-    python examples/train_embedding.py            # about 30 s on a 2-core CPU
+    python examples/train_embedding.py            # about 10-15 s on a 2-core CPU
     python examples/train_embedding.py --help
 """
 

@@ -40,8 +40,16 @@ def __getattr__(name: str):
 
     return importlib.import_module("optax_sparse_adam.flax")
   if name in _FLAX_NAMES:
-    from optax_sparse_adam import _flax
-
+    try:
+      from optax_sparse_adam import _flax
+    except ModuleNotFoundError as err:
+      if err.name != "flax":
+        raise
+      raise ModuleNotFoundError(
+        f"optax_sparse_adam.{name} is part of the Flax glue, which needs flax: "
+        "pip install 'optax_sparse_adam[flax]'.",
+        name="flax",
+      ) from err
     return getattr(_flax, name)
   raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
