@@ -401,3 +401,14 @@ def test_errors_name_the_problem():
     osa.sparse_grad(lambda m: 0.0, argnums=3)(model)
   with pytest.raises(ValueError, match="nested transform"):
     osa.sparse_grad(lambda m: nnx.remat(lambda m: m(jnp.array([1, 2])).sum())(m))(model)
+
+
+def test_flax_glue_without_flax_names_the_extra(monkeypatch):
+  """Without flax installed, the lazy top-level names say which extra to install."""
+  import sys
+
+  monkeypatch.setitem(sys.modules, "flax", None)  # what an absent package looks like
+  monkeypatch.delitem(sys.modules, "optax_sparse_adam._flax")
+  monkeypatch.delattr(osa, "_flax")
+  with pytest.raises(ModuleNotFoundError, match=r"pip install 'optax_sparse_adam\[flax\]'"):
+    osa.SparseEmbed  # noqa: B018
