@@ -58,10 +58,6 @@ class CoalescedRows(NamedTuple):
   values: jax.Array
 
 
-def is_bcoo(x: Any) -> bool:
-  return isinstance(x, BCOO)
-
-
 def row_layout(
   grad: BCOO, param_shape: Sequence[int], path: Sequence[Any] = (), *, what: str = "gradient"
 ) -> RowLayout:
@@ -131,9 +127,11 @@ def linear_rows(indices: jax.Array, layout: RowLayout) -> jax.Array:
   Negative indices are out of range too: they are padding here, not Python-style
   wrap-around.
   """
-  indices = indices.astype(jnp.int32)
-  dims = jnp.asarray(layout.sparse_shape, jnp.int32)
+  # The range check runs in the indices' own dtype: an int64 index past 2**31
+  # must not wrap into a valid int32 row.
+  dims = jnp.asarray(layout.sparse_shape, indices.dtype)
   in_range = jnp.all((indices >= 0) & (indices < dims), axis=-1)
+  indices = indices.astype(jnp.int32)
   strides = np.cumprod((1,) + layout.sparse_shape[:0:-1])[::-1].astype(np.int32)
   if len(layout.sparse_shape) == 1:
     rows = indices[:, 0]
@@ -278,13 +276,10 @@ def coalesce_rows(rows: jax.Array, values: jax.Array, num_rows: int) -> Coalesce
   the static length of the input; see `CoalescedRows` for its padding. The
   values of each row are added in input order.
   """
-  if rows.shape[0] == 0:
-    return CoalescedRows(rows.astype(jnp.int32), values)
   rows = rows.astype(jnp.int32)
   rows = jnp.where((rows >= 0) & (rows < num_rows), rows, jnp.int32(num_rows))
-  sorted_rows = sort_rows(rows, num_rows)
-  summed = segment_sum(values, segments_by_search(rows, sorted_rows, num_rows))
-  return CoalescedRows(sorted_rows.unique_rows, summed)
+  coalesced, _, _ = coalesce_and_gather_rows(rows, values, num_rows, ())
+  return coalesced
 
 
 def coalesce_and_gather_rows(
@@ -315,7 +310,7 @@ def coalesce_and_gather_rows(
   tables = list(tables)
   nse = rows.shape[0]
   if nse == 0:
-    coalesced = coalesce_rows(rows, values, num_rows)
+    coalesced = CoalescedRows(rows.astype(jnp.int32), values)
     return (
       coalesced,
       [None if t is None else gather_rows(t, coalesced.rows) for t in tables],
@@ -337,10 +332,6 @@ def coalesce_and_gather_rows(
       rows, sorted_rows, tables[scratch], gathered[scratch]
     )
   return CoalescedRows(unique_rows, segment_sum(values, segment)), gathered, tables
-
-
-def _expand(mask: jax.Array, ndim: int) -> jax.Array:
-  return mask.reshape(mask.shape + (1,) * (ndim - mask.ndim))
 
 
 def as_rows(table: jax.Array, layout: RowLayout) -> jax.Array:

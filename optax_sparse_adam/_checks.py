@@ -40,9 +40,7 @@ def _check_leaf(
   nse = grad.nse
   if nse == 0:
     return
-  indices = grad.indices
-  sparse_dims = jnp.asarray(layout.sparse_shape, indices.dtype)
-  in_range = jnp.all((indices >= 0) & (indices < sparse_dims), axis=-1)
+  in_range = _bcoo.linear_rows(grad.indices, layout) < layout.num_rows
   entry_axes = tuple(range(1, grad.data.ndim))
   out_of_range = ~in_range
   if allow_padding:

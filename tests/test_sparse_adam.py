@@ -231,3 +231,18 @@ def test_random_layouts_match_reference(case):
     ref.step(idx, data)
   np.testing.assert_allclose(np.asarray(params), ref.param, rtol=5e-6, atol=1e-6)
   np.testing.assert_allclose(np.asarray(state.nu), ref.exp_avg_sq, rtol=5e-6, atol=1e-7)
+
+
+def test_int64_indices_past_int32_are_padding_not_wrapped():
+  """An int64 index of 2**32 + 3 is out of range; cast to int32 first it would hit row 3."""
+  with jax.enable_x64(True):
+    params = jnp.zeros((10, 2), jnp.float32)
+    grad = sparse.BCOO(
+      (jnp.ones((2, 2), jnp.float32), jnp.array([[2**32 + 3], [5]], jnp.int64)), shape=(10, 2)
+    )
+    opt = osa.sparse_adam(0.1)
+    updates, state = opt.update(grad, opt.init(params))
+    new = np.asarray(osa.apply_updates(params, updates))
+  np.testing.assert_array_equal(new[3], 0)
+  assert np.all(new[5] < 0)
+  np.testing.assert_array_equal(np.asarray(state.mu)[3], 0)
