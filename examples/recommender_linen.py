@@ -48,7 +48,7 @@ class TwoTower(nn.Module):
     v = nn.Dense(self.hidden, name="item_tower")(
       self.embed_cls(self.num_items, self.dim, name="items")(items)
     )
-    bias = self.param("bias", lambda key: jnp.full((), 3.0))
+    bias = self.param("bias", lambda key: jnp.full((), 3.0, jnp.float32))
     return jnp.sum(u * v, axis=-1) / np.sqrt(self.hidden) + bias
 
 

@@ -36,7 +36,7 @@ class TwoTower(nnx.Module):
     self.items = embed_cls(num_items, dim, rngs=rngs)
     self.user_tower = nnx.Linear(dim, hidden, rngs=rngs)
     self.item_tower = nnx.Linear(dim, hidden, rngs=rngs)
-    self.bias = nnx.Param(jnp.full((), 3.0))
+    self.bias = nnx.Param(jnp.full((), 3.0, jnp.float32))  # strongly typed: one compilation
     self.scale = 1.0 / np.sqrt(hidden)
 
   def __call__(self, users, items):
