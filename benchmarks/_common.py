@@ -114,6 +114,40 @@ def permutation_sort_baseline() -> Iterator[None]:
     _bcoo.coalesce_and_gather_rows = fast
 
 
+def sparse_step(opt: optax.GradientTransformation) -> Callable:
+  """`opt.update` + `osa.apply_updates`: the step every sparse benchmark times."""
+
+  def step(params, state, grads):
+    updates, state = opt.update(grads, state, params)
+    return osa.apply_updates(params, updates), state
+
+  return step
+
+
+def time_jitted_steps(
+  step: Callable,
+  params: Any,
+  state: Any,
+  grads: list[Any],
+  *,
+  donate: bool,
+  steps: int,
+  repeats: int,
+) -> float:
+  """Seconds per call of `jax.jit(step)` cycling through `grads`, the best of `repeats` runs."""
+  jitted = jax.jit(step, donate_argnums=(0, 1) if donate else ())
+  carry = [params, state]
+
+  def run(n):
+    p, s = carry
+    for k in range(n):
+      p, s = jitted(p, s, grads[k % len(grads)])
+    jax.block_until_ready((p, s))
+    carry[:] = [p, s]
+
+  return best_step_time(run, steps, repeats)
+
+
 def time_sparse_adam(
   ids: list[np.ndarray],
   values: list[np.ndarray],
@@ -134,22 +168,9 @@ def time_sparse_adam(
     for i, v in zip(ids, values, strict=True)
   ]
 
-  def step(params, state, grads):
-    updates, state = opt.update(grads, state, params)
-    return osa.apply_updates(params, updates), state
-
-  jitted = jax.jit(step, donate_argnums=(0, 1) if donate else ())
-  carry = [params, state]
-
-  def run(n):
-    p, s = carry
-    for k in range(n):
-      p, s = jitted(p, s, grads[k % len(grads)])
-    jax.block_until_ready((p, s))
-    carry[:] = [p, s]
-
-  seconds = best_step_time(run, steps, repeats)
-  return seconds
+  return time_jitted_steps(
+    sparse_step(opt), params, state, grads, donate=donate, steps=steps, repeats=repeats
+  )
 
 
 def time_multi_table(
@@ -165,12 +186,7 @@ def time_multi_table(
   (for `fused=False`, the sum over the tables' separate jitted steps).
   """
   opt = osa.sparse_adam(1e-3)
-
-  def step(params, state, grads):
-    updates, state = opt.update(grads, state, params)
-    return osa.apply_updates(params, updates), state
-
-  jitted = jax.jit(step, donate_argnums=(0, 1))
+  jitted = jax.jit(sparse_step(opt), donate_argnums=(0, 1))
   groups = [list(tables)] if fused else [[name] for name in tables]
   carries, batches = [], []
   for names in groups:
@@ -227,18 +243,7 @@ def time_optax_adam_dense(
     updates, state = opt.update(grad, state, params)
     return optax.apply_updates(params, updates), state
 
-  jitted = jax.jit(step, donate_argnums=(0, 1))
-  carry = [params, state]
-
-  def run(n):
-    p, s = carry
-    for k in range(n):
-      p, s = jitted(p, s, grads[k % len(grads)])
-    jax.block_until_ready((p, s))
-    carry[:] = [p, s]
-
-  seconds = best_step_time(run, steps, repeats)
-  return seconds
+  return time_jitted_steps(step, params, state, grads, donate=True, steps=steps, repeats=repeats)
 
 
 def time_torch_sparse_adam(
