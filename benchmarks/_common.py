@@ -21,7 +21,7 @@ import optax  # noqa: E402
 from jax.experimental import sparse  # noqa: E402
 
 import optax_sparse_adam as osa  # noqa: E402
-from optax_sparse_adam import _bcoo  # noqa: E402
+from optax_sparse_adam import _bcoo, _cpu_kernel  # noqa: E402
 
 try:
   import torch
@@ -99,7 +99,7 @@ def _coalesce_by_permutation_sort(rows, values, num_rows):
 
 @contextlib.contextmanager
 def permutation_sort_baseline() -> Iterator[None]:
-  """Inside this block sparse_adam coalesces as the first core did (sort with a payload)."""
+  """Inside this block sparse_adam runs XLA ops and coalesces as the first core did."""
   fast = _bcoo.coalesce_and_gather_rows
 
   def baseline(rows, values, num_rows, tables):
@@ -109,7 +109,8 @@ def permutation_sort_baseline() -> Iterator[None]:
 
   _bcoo.coalesce_and_gather_rows = baseline
   try:
-    yield
+    with _cpu_kernel.use_cpu_kernels(False):  # the baseline is a path of XLA ops
+      yield
   finally:
     _bcoo.coalesce_and_gather_rows = fast
 
@@ -154,11 +155,16 @@ def time_sparse_adam(
   num_rows: int,
   *,
   donate: bool = True,
+  cpu_kernels: bool | None = None,
   steps: int = 20,
   repeats: int = 5,
   **opt_kwargs: Any,
 ) -> float:
-  """sparse_adam.update + apply_updates in one jitted step, params and state donated."""
+  """sparse_adam.update + apply_updates in one jitted step, params and state donated.
+
+  `cpu_kernels=False` times the XLA-ops path (what GPUs and TPUs run) on the CPU;
+  None keeps the current setting.
+  """
   dim = values[0].shape[1]
   opt = osa.sparse_adam(1e-3, **opt_kwargs)
   params = {"table": jnp.zeros((num_rows, dim), jnp.float32)}
@@ -168,9 +174,11 @@ def time_sparse_adam(
     for i, v in zip(ids, values, strict=True)
   ]
 
-  return time_jitted_steps(
-    sparse_step(opt), params, state, grads, donate=donate, steps=steps, repeats=repeats
-  )
+  setting = contextlib.nullcontext() if cpu_kernels is None else None
+  with setting or _cpu_kernel.use_cpu_kernels(cpu_kernels):
+    return time_jitted_steps(
+      sparse_step(opt), params, state, grads, donate=donate, steps=steps, repeats=repeats
+    )
 
 
 def time_multi_table(
@@ -318,6 +326,45 @@ def memory_floor(ids: list[np.ndarray], dim: int, *, repeats: int = 20) -> float
       np.copyto(dst, src)
     best = min(best, (time.perf_counter() - start) / 10)
   return best
+
+
+def random_row_floor(
+  ids: list[np.ndarray], num_rows: int, dim: int, *, steps: int = 20, repeats: int = 5
+) -> float:
+  """Seconds to add zeros into the touched rows of three V x D tables (param, m, v).
+
+  The same rows a masked step must read and write, at their random places in
+  tables far larger than the caches: one donated, jitted scatter-add per table
+  (the CPU kernel where it is built, as in the step), with no sorting,
+  coalescing or arithmetic. A step cannot touch its rows for less; the
+  contiguous `memory_floor` ignores where the rows are.
+  """
+  rows = [jnp.asarray(np.unique(i).astype(np.int32)) for i in ids]
+  zeros = [jnp.zeros((r.shape[0], dim), jnp.float32) for r in rows]
+  tables = [jnp.zeros((num_rows, dim), jnp.float32) for _ in range(3)]
+  layout = _bcoo.RowLayout((num_rows,), (dim,))
+
+  def touch(tables, rows, zeros):
+    update = sparse.BCOO(
+      (zeros, rows[:, None]), shape=layout.shape, indices_sorted=True, unique_indices=True
+    )
+    return [_bcoo.scatter_add_bcoo(t, update) for t in tables]
+
+  jitted = jax.jit(touch, donate_argnums=0)
+  carry = [tables]
+
+  def run(n):
+    t = carry[0]
+    for k in range(n):
+      t = jitted(t, rows[k % len(rows)], zeros[k % len(rows)])
+    jax.block_until_ready(t)
+    carry[0] = t
+
+  return best_step_time(run, steps, repeats)
+
+
+def cpu_kernels_used() -> bool:
+  return _cpu_kernel.enabled()
 
 
 def machine() -> str:

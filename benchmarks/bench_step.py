@@ -5,13 +5,17 @@ values from a gradient with B ids, drawn Zipf-like (s=1.2, popular rows repeat)
 or uniformly:
 
 - sparse_adam: `sparse_adam.update` + `apply_updates` in one `jax.jit` step
-  with the params and optimizer state donated (`donate_argnums=(0, 1)`);
-- the same step coalescing as the first core did (a sort carrying the permutation);
+  with the params and optimizer state donated (`donate_argnums=(0, 1)`); on the
+  CPU this runs the fused CPU kernels;
+- the same step in XLA ops only (the kernels off: what a GPU or TPU runs);
+- the XLA-ops step coalescing as the first core did (a sort carrying the permutation);
 - the same step without donation (XLA then copies every table each step);
 - optax.adam + optax.apply_updates on the equivalent dense V x D gradient;
 - torch.optim.SparseAdam.step (if torch is installed) on the same gradient;
 - the memory floor: one contiguous copy of the bytes the masked step must read
-  and write (the touched rows of the parameter, m and v).
+  and write (the touched rows of the parameter, m and v);
+- the random-row floor: adding zeros into those same rows where they lie in
+  three V-row tables (a scatter-add per table, nothing else).
 
 Then the sparse_adam and torch steps at several table sizes V, same B, to show
 the cost does not grow with V. All figures of one run come from one process;
@@ -70,6 +74,7 @@ def main(argv=None) -> None:
   for dist in ("zipf", "uniform"):
     ids, values = c.id_batches(dist, v, b), c.grad_values(b, d)
     ours = c.time_sparse_adam(ids, values, v, **timing)
+    xla_ops = c.time_sparse_adam(ids, values, v, cpu_kernels=False, **timing)
     bf16 = None
     if args.bf16_moments:
       bf16 = c.time_sparse_adam(ids, values, v, mu_dtype="bfloat16", nu_dtype="bfloat16", **timing)
@@ -80,24 +85,53 @@ def main(argv=None) -> None:
       dense = c.time_optax_adam_dense(ids, values, v)
     torch_s = c.time_torch_sparse_adam(ids, values, v, **timing) if use_torch else None
     floor = c.memory_floor(ids, d)
-    rows.append((dist, c.touched_rows(ids), ours, baseline, bf16, undonated, dense, torch_s, floor))
+    row_floor = c.random_row_floor(ids, v, d, **timing)
+    rows.append(
+      (
+        dist,
+        c.touched_rows(ids),
+        ours,
+        xla_ops,
+        baseline,
+        bf16,
+        undonated,
+        dense,
+        torch_s,
+        floor,
+        row_floor,
+      )
+    )
 
   print(
-    "| ids | distinct rows | sparse_adam (donated) | permutation-sort baseline "
+    "| ids | distinct rows | sparse_adam (donated) | XLA ops only | permutation-sort baseline "
     "| without donation | optax.adam dense | torch SparseAdam | memory floor "
-    "| torch / ours | ours / floor | dense / ours | baseline / ours |"
-    + (" bf16 moments |" if args.bf16_moments else "")
+    "| random-row floor | torch / ours | torch / XLA ops | ours / floor "
+    "| ours / random-row floor | dense / ours |" + (" bf16 moments |" if args.bf16_moments else "")
   )
-  print("|---" * (12 + args.bf16_moments) + "|")
-  for dist, touched, ours, baseline, bf16, undonated, dense_s, torch_s, floor in rows:
+  print("|---" * (15 + args.bf16_moments) + "|")
+  for (
+    dist,
+    touched,
+    ours,
+    xla_ops,
+    baseline,
+    bf16,
+    undonated,
+    dense_s,
+    torch_s,
+    floor,
+    row_floor,
+  ) in rows:
     print(
-      f"| {dist} | {touched:.0f} | {c.ms(ours)} | {c.ms(baseline)} | {c.ms(undonated)} "
-      f"| {c.ms(dense_s)} | {c.ms(torch_s)} | {c.ms(floor)} | {c.ratio(torch_s, ours)} "
-      f"| {c.ratio(ours, floor)} | {c.ratio(dense_s, ours)} | {c.ratio(baseline, ours)} |"
+      f"| {dist} | {touched:.0f} | {c.ms(ours)} | {c.ms(xla_ops)} | {c.ms(baseline)} "
+      f"| {c.ms(undonated)} | {c.ms(dense_s)} | {c.ms(torch_s)} | {c.ms(floor)} "
+      f"| {c.ms(row_floor)} | {c.ratio(torch_s, ours)} | {c.ratio(torch_s, xla_ops)} "
+      f"| {c.ratio(ours, floor)} | {c.ratio(ours, row_floor)} | {c.ratio(dense_s, ours)} |"
       + (f" {c.ms(bf16)} |" if args.bf16_moments else "")
     )
   print()
   print("Targets (issue 6): torch / ours >= 3 on both id streams; ours / floor <= 4.")
+  print(f"CPU kernels: {'built and used' if c.cpu_kernels_used() else 'not used (XLA ops)'}.")
   print("Without donation XLA copies param, m and v whole every step: donate them.\n")
 
   if args.sweep:

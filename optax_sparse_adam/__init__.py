@@ -8,6 +8,8 @@ from optax_sparse_adam._composition import SparseMultiStepsState as SparseMultiS
 from optax_sparse_adam._composition import lift_to_bcoo as lift_to_bcoo
 from optax_sparse_adam._composition import sparse_apply_if_finite as sparse_apply_if_finite
 from optax_sparse_adam._composition import sparse_multi_steps as sparse_multi_steps
+from optax_sparse_adam._cpu_kernel import available as cpu_kernels_available
+from optax_sparse_adam._cpu_kernel import use_cpu_kernels as use_cpu_kernels
 from optax_sparse_adam._math import AdamCoefficients as AdamCoefficients
 from optax_sparse_adam._math import LeafState as LeafState
 from optax_sparse_adam._math import sparse_adam_leaf_step as sparse_adam_leaf_step
@@ -31,6 +33,7 @@ _FLAX_NAMES = (
   "sparse_grad",
   "sparse_value_and_grad",
   "table_labels",
+  "use_cpu_kernels",
 )
 
 
@@ -69,6 +72,7 @@ __all__ = (
   "apply_updates",
   "check_sparse_grads",
   "coalesce_rows",
+  "cpu_kernels_available",
   "embedding_lookup",
   "lift_to_bcoo",
   "sparse_adam",
@@ -80,4 +84,5 @@ __all__ = (
   "sparse_multi_steps",
   "sparse_value_and_grad",
   "table_labels",
+  "use_cpu_kernels",
 )

@@ -20,7 +20,7 @@ import numpy as np
 from jax import lax
 from jax.experimental import sparse
 
-from optax_sparse_adam import _sharding
+from optax_sparse_adam import _cpu_kernel, _sharding
 from optax_sparse_adam._errors import describe, path_str
 
 BCOO = sparse.BCOO
@@ -372,17 +372,37 @@ def scatter_add_bcoo(param: jax.Array, update: BCOO, path: Sequence[Any] = ()) -
 
 def _scatter_add_rows(param: jax.Array, update: BCOO, layout: RowLayout) -> jax.Array:
   rows = linear_rows(update.indices, layout)
-  out = (
-    as_rows(param, layout)
-    .at[rows]
-    .add(
-      update.data.astype(param.dtype),
+
+  def with_xla(param_rows, rows, values):
+    return param_rows.at[rows].add(
+      values.astype(param_rows.dtype),
       mode="drop",
       unique_indices=update.unique_indices,
       indices_are_sorted=update.indices_sorted,
     )
-  )
-  return out.reshape(param.shape)
+
+  float32 = jnp.dtype(jnp.float32)
+  if (
+    param.dtype == float32
+    and update.dtype == float32
+    and update.nse > 0
+    and layout.num_rows > 0
+    and math.prod(layout.dense_shape) > 0
+    and not _sharding.explicit_axes()
+    and _cpu_kernel.enabled()
+  ):
+    # The kernel takes the parameter in its own shape: a reshaped operand that
+    # it updates in place would be copied by XLA.
+    def on_cpu(param, rows, values):
+      return _cpu_kernel.scatter_add_rows(
+        param, rows, values, num_rows=layout.num_rows, unique_rows=update.unique_indices
+      )
+
+    def elsewhere(param, rows, values):
+      return with_xla(as_rows(param, layout), rows, values).reshape(param.shape)
+
+    return lax.platform_dependent(param, rows, update.data, cpu=on_cpu, default=elsewhere)
+  return with_xla(as_rows(param, layout), rows, update.data).reshape(param.shape)
 
 
 def rows_to_bcoo(coalesced: CoalescedRows, layout: RowLayout) -> BCOO:

@@ -16,6 +16,7 @@ This is `torch.optim.SparseAdam`'s arithmetic, in its order of operations:
 `eps` is added to `sqrt(v)`, not to `sqrt(v / (1 - b2^t))` as in `optax.adam`.
 """
 
+import functools
 import math
 from typing import Any, NamedTuple
 
@@ -26,7 +27,7 @@ from jax import lax
 from jax.experimental import sparse
 from jax.sharding import PartitionSpec
 
-from optax_sparse_adam import _bcoo, _sharding
+from optax_sparse_adam import _bcoo, _cpu_kernel, _sharding
 from optax_sparse_adam._errors import path_str
 
 Scalar = float | jax.Array
@@ -293,19 +294,74 @@ def _leaf_step(
     )
   step = optax.safe_increment(state.step)
   compute_dtype = jnp.result_type(jnp.float32, grad.dtype, state.mu.dtype, state.nu.dtype)
-
+  rows = _bcoo.linear_rows(grad.indices, layout)
   tables = (
     _bcoo.as_rows(state.mu, layout),
     _bcoo.as_rows(state.nu, layout),
     None if state.nu_max is None else _bcoo.as_rows(state.nu_max, layout),
   )
+  xla_step = functools.partial(
+    _xla_rows_step,
+    layout=layout,
+    param=param,
+    row_step=row_step,
+    coeffs=coeffs,
+    step=step,
+    step_size=step_size,
+    maximize=maximize,
+    decoupled_weight_decay=decoupled_weight_decay,
+    uses_weight_decay=uses_weight_decay,
+    compute_dtype=compute_dtype,
+    opaque_zero=opaque_zero,
+  )
+  if _can_use_cpu_kernels(grad, state, layout, uses_weight_decay):
+    unique_rows, delta, (mu_table, nu_table, nu_max_table) = _rows_step_with_cpu_kernels(
+      rows, grad.data, state.mu, state.nu, layout, coeffs, step, step_size, maximize, xla_step
+    )
+  else:
+    unique_rows, delta, (mu_table, nu_table, nu_max_table), row_step = xla_step(
+      rows, grad.data, tables
+    )
+
+  new_state = LeafState(
+    step=step,
+    mu=mu_table.reshape(state.mu.shape),
+    nu=nu_table.reshape(state.nu.shape),
+    nu_max=None if nu_max_table is None else nu_max_table.reshape(state.nu.shape),
+    row_step=row_step,
+  )
+  update = _bcoo.rows_to_bcoo(_bcoo.CoalescedRows(unique_rows, delta), layout)
+  return update, new_state
+
+
+def _xla_rows_step(
+  rows: jax.Array,
+  values: jax.Array,
+  tables: tuple[jax.Array, jax.Array, jax.Array | None],
+  *,
+  layout: _bcoo.RowLayout,
+  param: jax.Array | None,
+  row_step: jax.Array | None,
+  coeffs: AdamCoefficients,
+  step: jax.Array,
+  step_size: jax.Array | None,
+  maximize: bool,
+  decoupled_weight_decay: bool,
+  uses_weight_decay: bool,
+  compute_dtype: Any,
+  opaque_zero: jax.Array | None,
+) -> tuple[jax.Array, jax.Array, tuple, jax.Array | None]:
+  """The masked step of one table in XLA ops: any backend, dtype and option.
+
+  Returns `(unique_rows, delta, (mu, nu, nu_max), row_step)`: the coalesced
+  rows, their deltas in the gradient's dtype (zero in padding slots), and the
+  updated `(num_rows, ...)` tables.
+  """
   # The moments' old rows are gathered while the gradient is coalesced; one
   # moment table may come back holding scratch values in the touched rows,
   # which the scatters below overwrite.
   coalesced, (mu_old, nu_old, nu_max_old), (mu_table, nu_table, nu_max_table) = (
-    _bcoo.coalesce_and_gather_rows(
-      _bcoo.linear_rows(grad.indices, layout), grad.data, layout.num_rows, tables
-    )
+    _bcoo.coalesce_and_gather_rows(rows, values, layout.num_rows, tables)
   )
   rows = coalesced.rows
   g = coalesced.values.astype(compute_dtype)
@@ -345,16 +401,74 @@ def _leaf_step(
     valid.reshape(valid.shape + (1,) * len(layout.dense_shape)),
     delta,
     jnp.zeros((), delta.dtype),
-  ).astype(grad.dtype)
-
-  new_state = LeafState(
-    step=step,
-    mu=_bcoo.scatter_rows(mu_table, rows, mu_rows).reshape(state.mu.shape),
-    nu=_bcoo.scatter_rows(nu_table, rows, nu_rows).reshape(state.nu.shape),
-    nu_max=None
-    if nu_max_table is None
-    else _bcoo.scatter_rows(nu_max_table, rows, nu_max_rows).reshape(state.nu.shape),
-    row_step=row_step,
+  ).astype(values.dtype)
+  new_tables = (
+    _bcoo.scatter_rows(mu_table, rows, mu_rows),
+    _bcoo.scatter_rows(nu_table, rows, nu_rows),
+    None if nu_max_table is None else _bcoo.scatter_rows(nu_max_table, rows, nu_max_rows),
   )
-  update = _bcoo.rows_to_bcoo(_bcoo.CoalescedRows(rows, delta), layout)
-  return update, new_state
+  return rows, delta, new_tables, row_step
+
+
+def _can_use_cpu_kernels(
+  grad: sparse.BCOO, state: LeafState, layout: _bcoo.RowLayout, uses_weight_decay: bool
+) -> bool:
+  """Whether this leaf's step is one the CPU kernels compute (see `_cpu_kernel`)."""
+  float32 = jnp.dtype(jnp.float32)
+  return (
+    grad.dtype == float32
+    and state.mu.dtype == float32
+    and state.nu.dtype == float32
+    and state.nu_max is None
+    and state.row_step is None
+    and not uses_weight_decay
+    and grad.nse > 0
+    and layout.num_rows > 0
+    and math.prod(layout.dense_shape) > 0
+    and not _sharding.explicit_axes()
+    and _cpu_kernel.enabled()
+  )
+
+
+def _rows_step_with_cpu_kernels(
+  rows: jax.Array,
+  values: jax.Array,
+  mu: jax.Array,
+  nu: jax.Array,
+  layout: _bcoo.RowLayout,
+  coeffs: AdamCoefficients,
+  step: jax.Array,
+  step_size: jax.Array | None,
+  maximize: bool,
+  xla_step: Any,
+) -> tuple[jax.Array, jax.Array, tuple]:
+  """The fused CPU kernel on the CPU, `xla_step` on any other backend; same results.
+
+  The moments go in and come out in the parameter's shape.
+  """
+  if step_size is None:
+    step_size = bias_corrected_step_size(coeffs, step)
+  f32 = jnp.float32
+  coefficients = jnp.stack(
+    [
+      jnp.asarray(coeffs.one_minus_b1, f32),
+      jnp.asarray(coeffs.one_minus_b2, f32),
+      jnp.asarray(coeffs.eps, f32),
+      jnp.asarray(step_size, f32),
+    ]
+  )
+
+  def on_cpu(rows, values, mu, nu):
+    return _cpu_kernel.adam_rows(
+      rows, values, mu, nu, coefficients, num_rows=layout.num_rows, maximize=maximize
+    )
+
+  def elsewhere(rows, values, mu, nu):
+    tables = (_bcoo.as_rows(mu, layout), _bcoo.as_rows(nu, layout), None)
+    unique_rows, delta, (new_mu, new_nu, _), _ = xla_step(rows, values, tables)
+    return unique_rows, delta, new_mu.reshape(mu.shape), new_nu.reshape(nu.shape)
+
+  unique_rows, delta, mu, nu = lax.platform_dependent(
+    rows, values, mu, nu, cpu=on_cpu, default=elsewhere
+  )
+  return unique_rows, delta, (mu, nu, None)

@@ -21,7 +21,8 @@ def table_shaped_values(hlo_text: str, shape: str) -> list[tuple[str, str]]:
   """`(opcode, detail)` of every entry instruction whose result has `shape`, e.g. 'f32[1000,8]'.
 
   For a fusion, `detail` is the opcode of its fused root (a wrapped scatter fuses
-  to 'scatter'); otherwise it is the opcode again.
+  to 'scatter'); for a custom call that writes into one of its operands (the CPU
+  kernels), 'in-place custom-call'; otherwise it is the opcode again.
   """
   computations = _computations(hlo_text)
   pattern = re.compile(r"=\s*" + re.escape(shape) + r"\{[^}]*\}\s+([\w\-]+)\(")
@@ -36,6 +37,8 @@ def table_shaped_values(hlo_text: str, shape: str) -> list[tuple[str, str]]:
       called = re.search(r"calls=%([\w.\-]+)", line).group(1)
       root = next(x for x in computations[called] if x.startswith("ROOT"))
       detail = re.search(r"=\s*\S+\s+([\w\-]+)\(", root).group(1)
+    elif opcode == "custom-call" and "output_to_operand_aliasing" in line:
+      detail = "in-place custom-call"
     values.append((opcode, detail))
   return values
 
@@ -44,8 +47,9 @@ def dense_table_temporaries(compiled, shape: str, num_donated: int) -> list[str]
   """Problems with `shape`-d arrays in a compiled step; empty when there is no V x D temporary.
 
   Allowed: `num_donated` parameters (the table and its moments), scatters into
-  them (the row updates, and the step's scratch marks in the first moment),
-  bitcasts and tuple plumbing. Also checked: the donated buffers alias outputs,
+  them (the row updates, and the step's scratch marks in the first moment), the
+  CPU kernels' custom calls that write into their operand, bitcasts and tuple
+  plumbing. Also checked: the donated buffers alias outputs,
   and XLA's temporary allocation is smaller than one table, so every scatter
   updates a donated buffer in place rather than a copy of it.
   """
@@ -57,7 +61,7 @@ def dense_table_temporaries(compiled, shape: str, num_donated: int) -> list[str]
     problems.append(f"{len(parameters)} {shape} parameters, expected {num_donated}")
   plumbing = {"parameter", "bitcast", "get-tuple-element", "tuple"}
   writes = [v for v in values if v[0] not in plumbing]
-  others = [v for v in writes if v[1] != "scatter"]
+  others = [v for v in writes if v[1] not in ("scatter", "in-place custom-call")]
   if others:
     problems.append(f"{shape} values that are not scatters into a donated buffer: {others}")
   if "input_output_alias" not in text:

@@ -16,7 +16,7 @@ from jax.experimental import sparse
 from reference import NumpySparseAdam
 
 import optax_sparse_adam as osa
-from optax_sparse_adam import _bcoo
+from optax_sparse_adam import _bcoo, _cpu_kernel
 
 
 def _numpy_coalesce(rows, values, num_rows):
@@ -110,7 +110,12 @@ def test_after_is_exact_whatever_the_dependency_holds(dtype):
     np.testing.assert_array_equal(jax.jit(_bcoo._after)(x, dependency), x)
 
 
-def _run_sparse_adam(opt, param0, batches, use_jit):
+def _run_sparse_adam(opt, param0, batches, use_jit, *, cpu_kernels=True):
+  with _cpu_kernel.use_cpu_kernels(cpu_kernels):
+    return _run_steps(opt, param0, batches, use_jit)
+
+
+def _run_steps(opt, param0, batches, use_jit):
   params = {"w": jnp.array(param0)}  # a copy: the jitted step donates it
   state = opt.init(params)
 
@@ -126,19 +131,31 @@ def _run_sparse_adam(opt, param0, batches, use_jit):
   return params["w"], state
 
 
-# (param dtype, moment dtypes): float32 moments take the marking path; bfloat16
-# moments with more entries than bfloat16 holds exactly (nse > 256) take the search path.
+# (param dtype, moment dtypes, nse, CPU kernels allowed): float32 moments take the
+# marking path of XLA ops when the CPU kernels are off; bfloat16 moments with
+# more entries than bfloat16 holds exactly (nse > 256) take the search path.
 PATHS = {
-  "f32_marking": (jnp.float32, {}, 24),
-  "bf16_params_marking": (jnp.bfloat16, {"mu_dtype": jnp.float32, "nu_dtype": jnp.float32}, 24),
-  "bf16_moments_search": (jnp.float32, {"mu_dtype": jnp.bfloat16, "nu_dtype": jnp.bfloat16}, 300),
+  "f32_cpu_kernels": (jnp.float32, {}, 24, True),
+  "f32_marking": (jnp.float32, {}, 24, False),
+  "bf16_params_marking": (
+    jnp.bfloat16,
+    {"mu_dtype": jnp.float32, "nu_dtype": jnp.float32},
+    24,
+    False,
+  ),
+  "bf16_moments_search": (
+    jnp.float32,
+    {"mu_dtype": jnp.bfloat16, "nu_dtype": jnp.bfloat16},
+    300,
+    False,
+  ),
 }
 
 
 @pytest.mark.parametrize("use_jit", [False, True], ids=["eager", "jit"])
 @pytest.mark.parametrize("path", list(PATHS))
 def test_sparse_adam_matches_reference_on_each_path(use_jit, path):
-  dtype, moments, nse = PATHS[path]
+  dtype, moments, nse, cpu_kernels = PATHS[path]
   rng = np.random.default_rng(7)
   num_rows, dim, steps = 40, 3, 6
   param0 = jnp.asarray(rng.standard_normal((num_rows, dim)), dtype)
@@ -148,7 +165,9 @@ def test_sparse_adam_matches_reference_on_each_path(use_jit, path):
     idx[-2:] = num_rows + 3  # padding
     val = np.asarray(jnp.asarray(rng.standard_normal((nse, dim)), dtype).astype(jnp.float32))
     batches.append((idx, val))
-  got, state = _run_sparse_adam(osa.sparse_adam(1e-2, **moments), param0, batches, use_jit)
+  got, state = _run_sparse_adam(
+    osa.sparse_adam(1e-2, **moments), param0, batches, use_jit, cpu_kernels=cpu_kernels
+  )
 
   ref = NumpySparseAdam(np.asarray(param0.astype(jnp.float32)), lr=1e-2, dtype=np.float32)
   for idx, val in batches:
@@ -194,7 +213,8 @@ def test_nan_moments_do_not_disturb_coalescing():
   idx = np.array([[1], [4], [4], [7]], np.int32)
   val = rng.standard_normal((4, 2)).astype(np.float32)
   grads = {"w": sparse.BCOO((jnp.asarray(val), jnp.asarray(idx)), shape=(10, 2))}
-  _, new_state = jax.jit(opt.update)(grads, state, params)
+  with _cpu_kernel.use_cpu_kernels(False):  # the marking path of XLA ops
+    _, new_state = jax.jit(opt.update)(grads, state, params)
   mu = np.asarray(new_state.mu["w"])
   assert np.isnan(mu[1]).all()
   np.testing.assert_allclose(mu[4], 0.1 * (val[1] + val[2]), rtol=1e-6)

@@ -1,0 +1,313 @@
+// Fused CPU kernels of the masked Adam step, called from XLA through its FFI.
+//
+// XLA:CPU emits gathers and scatters as element-by-element loops, and a masked
+// step needs seven of them over the touched rows. These kernels do the same
+// work in one pass per table: coalesce the gradient's row ids (a stable radix
+// sort), then for each distinct row read m and v once, update them in place and
+// write the parameter delta. The arithmetic is `adam_rows` in _math.py,
+// operation for operation: every product and sum is rounded on its own
+// (compiled with -ffp-contract=off, so no FMA), square root and division are
+// IEEE, and duplicate entries are summed in input order starting from +0.0, as
+// XLA's scatter-add does. Tests check the two paths agree bit for bit.
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+// x86-64 Linux builds carry an AVX2 clone of the row loops, picked at load time;
+// elsewhere the compiler's baseline ISA is used.
+#if defined(__x86_64__) && defined(__linux__) && defined(__GNUC__)
+#define OSA_MULTIVERSIONED __attribute__((target_clones("avx2", "default")))
+#else
+#define OSA_MULTIVERSIONED
+#endif
+
+namespace {
+
+// Rows prefetched ahead of the one being updated: enough loads in flight to
+// hide DRAM latency on random rows, few enough to stay in L1.
+constexpr int64_t kPrefetchRows = 8;
+constexpr int64_t kFloatsPerLine = 16;
+
+inline void PrefetchRow(const float* row, int64_t row_size) {
+  for (int64_t j = 0; j < row_size; j += kFloatsPerLine) __builtin_prefetch(row + j, 1);
+}
+
+// Random row accesses are bound by memory latency, so each core adds loads in
+// flight. Work below this many row values stays on the calling thread.
+constexpr int64_t kMinParallelValues = 1 << 14;
+
+// Chunks of a loop, claimed one at a time by the calling thread and by helpers
+// on XLA's intra-op pool. The caller never waits for a chunk nobody has
+// claimed, so it cannot deadlock when every pool thread is busy (with other
+// tables' kernels, say): unclaimed chunks it runs itself. Shared ownership
+// keeps the state alive for a helper that starts after the loop is over.
+struct ChunkedLoop {
+  std::function<void(int64_t)> run_chunk;
+  int64_t num_chunks = 0;
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> finished{0};
+
+  void Drain() {
+    for (int64_t c = next.fetch_add(1); c < num_chunks; c = next.fetch_add(1)) {
+      run_chunk(c);
+      finished.fetch_add(1, std::memory_order_release);
+    }
+  }
+};
+
+// Runs `run_chunk(c)` for every c in [0, num_chunks), in any order, possibly in parallel.
+void ParallelFor(ffi::ThreadPool& pool, int64_t num_chunks, int64_t work_values,
+                 std::function<void(int64_t)> run_chunk) {
+  const int64_t helpers =
+      work_values < kMinParallelValues ? 0 : std::min(pool.num_threads(), num_chunks - 1);
+  if (helpers <= 0) {
+    for (int64_t c = 0; c < num_chunks; ++c) run_chunk(c);
+    return;
+  }
+  auto loop = std::make_shared<ChunkedLoop>();
+  loop->run_chunk = std::move(run_chunk);
+  loop->num_chunks = num_chunks;
+  for (int64_t h = 0; h < helpers; ++h) pool.Schedule([loop] { loop->Drain(); });
+  loop->Drain();
+  while (loop->finished.load(std::memory_order_acquire) < num_chunks) std::this_thread::yield();
+}
+
+// Chunks per thread: enough to balance rows of uneven cost (cached or not).
+constexpr int64_t kChunksPerThread = 4;
+
+// Stable LSD radix sort of the in-range row ids, carrying each entry's position.
+// Returns the number of in-range entries; `sorted_rows[i]` and `position[i]`
+// hold them in ascending row order, ties in input order.
+int64_t SortRows(const int32_t* rows, int64_t nse, int64_t num_rows,
+                 std::vector<uint32_t>& sorted_rows, std::vector<uint32_t>& position) {
+  constexpr int kDigitBits = 11;
+  constexpr uint32_t kBuckets = 1u << kDigitBits;
+  std::vector<uint32_t> key, pos;
+  key.reserve(nse);
+  pos.reserve(nse);
+  for (int64_t i = 0; i < nse; ++i) {
+    if (rows[i] >= 0 && rows[i] < num_rows) {
+      key.push_back(static_cast<uint32_t>(rows[i]));
+      pos.push_back(static_cast<uint32_t>(i));
+    }
+  }
+  const int64_t n = static_cast<int64_t>(key.size());
+  std::vector<uint32_t> key_out(n), pos_out(n);
+  std::vector<uint32_t> count(kBuckets);
+  for (int shift = 0; shift < 32 && (static_cast<uint64_t>(num_rows - 1) >> shift) > 0;
+       shift += kDigitBits) {
+    std::fill(count.begin(), count.end(), 0u);
+    for (int64_t i = 0; i < n; ++i) ++count[(key[i] >> shift) & (kBuckets - 1)];
+    uint32_t total = 0;
+    for (uint32_t b = 0; b < kBuckets; ++b) {
+      const uint32_t c = count[b];
+      count[b] = total;
+      total += c;
+    }
+    for (int64_t i = 0; i < n; ++i) {
+      const uint32_t slot = count[(key[i] >> shift) & (kBuckets - 1)]++;
+      key_out[slot] = key[i];
+      pos_out[slot] = pos[i];
+    }
+    key.swap(key_out);
+    pos.swap(pos_out);
+  }
+  sorted_rows.swap(key);
+  position.swap(pos);
+  return n;
+}
+
+// The moment and parameter arithmetic of one row, in _math.adam_rows' order.
+OSA_MULTIVERSIONED void AdamRow(
+    float* __restrict__ g, float* __restrict__ m, float* __restrict__ v, int64_t row_size,
+    float sign, float one_minus_b1, float one_minus_b2, float eps, float neg_step_size) {
+  for (int64_t j = 0; j < row_size; ++j) {
+    const float gj = sign * g[j];
+    const float mj = m[j];
+    const float vj = v[j];
+    const float m_new = mj + (gj - mj) * one_minus_b1;
+    const float v_new = vj + (gj * gj - vj) * one_minus_b2;
+    m[j] = m_new;
+    v[j] = v_new;
+    g[j] = neg_step_size * (m_new / (std::sqrt(v_new) + eps));
+  }
+}
+
+OSA_MULTIVERSIONED void AddRow(
+    float* __restrict__ dst, const float* __restrict__ src, int64_t row_size) {
+  for (int64_t j = 0; j < row_size; ++j) dst[j] += src[j];
+}
+
+// The row size of a table viewed as `num_rows` rows (its leading dims), or -1.
+int64_t RowSize(const ffi::Buffer<ffi::F32>& table, int64_t num_rows) {
+  const int64_t count = static_cast<int64_t>(table.element_count());
+  if (num_rows <= 0 || count % num_rows != 0) return -1;
+  return count / num_rows;
+}
+
+// Tables come in their own shapes (a reshape would make XLA copy an aliased
+// operand) and are viewed as `num_rows` rows of `row_size` contiguous values.
+// Inputs: rows int32 (nse,), values f32 (nse, ...) of nse * row_size values,
+// mu and nu f32 tables, coeffs f32 (4,) = (1 - b1, 1 - b2, eps, step_size).
+// Outputs: the distinct rows in ascending order then num_rows + slot for
+// padding slots; the deltas of those rows (zero in padding); mu and nu, updated
+// in the touched rows (aliased to the inputs, so in place when donated).
+ffi::Error AdamRowsImpl(ffi::Buffer<ffi::S32> rows, ffi::Buffer<ffi::F32> values,
+                        ffi::Buffer<ffi::F32> mu, ffi::Buffer<ffi::F32> nu,
+                        ffi::Buffer<ffi::F32> coeffs, int64_t num_rows, bool maximize,
+                        ffi::ThreadPool pool,
+                        ffi::ResultBuffer<ffi::S32> unique_rows, ffi::ResultBuffer<ffi::F32> delta,
+                        ffi::ResultBuffer<ffi::F32> mu_out, ffi::ResultBuffer<ffi::F32> nu_out) {
+  const int64_t nse = static_cast<int64_t>(rows.element_count());
+  const int64_t row_size = RowSize(mu, num_rows);
+  if (row_size < 0 || RowSize(nu, num_rows) != row_size) {
+    return ffi::Error::InvalidArgument("mu and nu must hold num_rows rows of equal size");
+  }
+  if (static_cast<int64_t>(values.element_count()) != nse * row_size) {
+    return ffi::Error::InvalidArgument("values must hold nse rows of the tables' row size");
+  }
+  if (coeffs.element_count() != 4) return ffi::Error::InvalidArgument("coeffs must be (4,)");
+
+  float* m = mu_out->typed_data();
+  float* v = nu_out->typed_data();
+  // Without donation XLA gives fresh output buffers: start from the inputs.
+  if (m != mu.typed_data()) std::memcpy(m, mu.typed_data(), mu.size_bytes());
+  if (v != nu.typed_data()) std::memcpy(v, nu.typed_data(), nu.size_bytes());
+  const float* c = coeffs.typed_data();
+  const float sign = maximize ? -1.0f : 1.0f;
+  const float neg_step_size = -c[3];
+  const float* val = values.typed_data();
+  int32_t* out_rows = unique_rows->typed_data();
+  float* out = delta->typed_data();
+
+  std::vector<uint32_t> sorted_rows, position;
+  const int64_t n = SortRows(rows.typed_data(), nse, num_rows, sorted_rows, position);
+  // Start of each run of equal rows, and the run's row.
+  std::vector<int64_t> starts;
+  starts.reserve(n + 1);
+  for (int64_t i = 0; i < n; ++i) {
+    if (i == 0 || sorted_rows[i] != sorted_rows[i - 1]) starts.push_back(i);
+  }
+  const int64_t num_unique = static_cast<int64_t>(starts.size());
+  starts.push_back(n);
+
+  // Distinct rows are disjoint: chunks of them update m, v and delta independently.
+  const int64_t num_chunks = std::max<int64_t>(
+      1, std::min<int64_t>(num_unique, kChunksPerThread * (pool.num_threads() + 1)));
+  auto run_chunk = [&](int64_t chunk) {
+    const int64_t begin = num_unique * chunk / num_chunks;
+    const int64_t end = num_unique * (chunk + 1) / num_chunks;
+    for (int64_t s = begin; s < end; ++s) {
+      if (s + kPrefetchRows < end) {
+        const int64_t ahead = sorted_rows[starts[s + kPrefetchRows]];
+        PrefetchRow(m + ahead * row_size, row_size);
+        PrefetchRow(v + ahead * row_size, row_size);
+      }
+      const int64_t row = sorted_rows[starts[s]];
+      out_rows[s] = static_cast<int32_t>(row);
+      float* g = out + s * row_size;
+      std::memset(g, 0, sizeof(float) * row_size);
+      for (int64_t e = starts[s]; e < starts[s + 1]; ++e) {
+        AddRow(g, val + static_cast<int64_t>(position[e]) * row_size, row_size);
+      }
+      AdamRow(g, m + row * row_size, v + row * row_size, row_size, sign, c[0], c[1], c[2],
+              neg_step_size);
+    }
+  };
+  ParallelFor(pool, num_chunks, num_unique * row_size, run_chunk);
+  for (int64_t s = num_unique; s < nse; ++s) {
+    out_rows[s] = static_cast<int32_t>(num_rows + s);
+    std::memset(out + s * row_size, 0, sizeof(float) * row_size);
+  }
+  return ffi::Error::Success();
+}
+
+// param[rows[i]] += values[i] for in-range rows, in input order (XLA's
+// scatter-add order); out-of-range rows (BCOO padding) are dropped.
+// `unique_rows` promises no in-range row repeats (sparse_adam's updates).
+ffi::Error ScatterAddRowsImpl(ffi::Buffer<ffi::F32> param, ffi::Buffer<ffi::S32> rows,
+                              ffi::Buffer<ffi::F32> values, int64_t num_rows,
+                              bool unique_rows, ffi::ThreadPool pool,
+                              ffi::ResultBuffer<ffi::F32> out) {
+  const int64_t nse = static_cast<int64_t>(rows.element_count());
+  const int64_t row_size = RowSize(param, num_rows);
+  if (row_size < 0) return ffi::Error::InvalidArgument("param must hold num_rows rows");
+  if (static_cast<int64_t>(values.element_count()) != nse * row_size) {
+    return ffi::Error::InvalidArgument("values must hold nse rows of the param's row size");
+  }
+  float* p = out->typed_data();
+  if (p != param.typed_data()) std::memcpy(p, param.typed_data(), param.size_bytes());
+  const int32_t* r = rows.typed_data();
+  const float* val = values.typed_data();
+  const int64_t threads = pool.num_threads() + 1;
+  if (unique_rows) {
+    // Distinct rows (sparse_adam's updates): chunks of entries are independent.
+    const int64_t num_chunks = std::max<int64_t>(1, std::min(nse, kChunksPerThread * threads));
+    auto run_chunk = [&](int64_t chunk) {
+      const int64_t begin = nse * chunk / num_chunks;
+      const int64_t end = nse * (chunk + 1) / num_chunks;
+      for (int64_t i = begin; i < end; ++i) {
+        if (i + kPrefetchRows < end) {
+          const int64_t ahead = r[i + kPrefetchRows];
+          if (ahead >= 0 && ahead < num_rows) PrefetchRow(p + ahead * row_size, row_size);
+        }
+        const int64_t row = r[i];
+        if (row >= 0 && row < num_rows) AddRow(p + row * row_size, val + i * row_size, row_size);
+      }
+    };
+    ParallelFor(pool, num_chunks, nse * row_size, run_chunk);
+    return ffi::Error::Success();
+  }
+  // Repeated rows: each chunk owns a range of rows and adds its entries in
+  // input order, so a row's entries add up in the same order as on one thread.
+  const int64_t num_chunks = std::max<int64_t>(1, std::min(num_rows, threads));
+  auto run_chunk = [&](int64_t chunk) {
+    const int64_t lo = num_rows * chunk / num_chunks;
+    const int64_t hi = num_rows * (chunk + 1) / num_chunks;
+    for (int64_t i = 0; i < nse; ++i) {
+      const int64_t row = r[i];
+      if (row >= lo && row < hi) AddRow(p + row * row_size, val + i * row_size, row_size);
+    }
+  };
+  ParallelFor(pool, num_chunks, nse * row_size, run_chunk);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(OsaAdamRowsF32, AdamRowsImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("num_rows")
+                                  .Attr<bool>("maximize")
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(OsaScatterAddRowsF32, ScatterAddRowsImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("num_rows")
+                                  .Attr<bool>("unique_rows")
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());

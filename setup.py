@@ -1,0 +1,24 @@
+"""Builds the optional CPU kernels; everything else is declared in pyproject.toml.
+
+The kernels are an XLA FFI library compiled against the headers that ship with
+jaxlib (a build requirement). If they cannot be built (no C++ compiler, say),
+the install still succeeds and sparse_adam runs its pure-XLA path on the CPU.
+"""
+
+import jax.ffi
+from setuptools import Extension, setup
+
+setup(
+  ext_modules=[
+    Extension(
+      "optax_sparse_adam._cpu_kernels",
+      sources=["optax_sparse_adam/_cpu_kernels.cc"],
+      include_dirs=[jax.ffi.include_dir()],
+      language="c++",
+      # -ffp-contract=off: no FMA, every product rounded, as in XLA and torch.
+      # -fno-math-errno: lets sqrt vectorize; IEEE results are unchanged.
+      extra_compile_args=["-std=c++17", "-O3", "-ffp-contract=off", "-fno-math-errno"],
+      optional=True,
+    )
+  ]
+)
