@@ -21,7 +21,7 @@ import optax  # noqa: E402
 from jax.experimental import sparse  # noqa: E402
 
 import optax_sparse_adam as osa  # noqa: E402
-from optax_sparse_adam import _bcoo, _cpu_kernel  # noqa: E402
+from optax_sparse_adam import _bcoo, _cpu_kernel, _huge_pages  # noqa: E402
 
 try:
   import torch
@@ -156,6 +156,7 @@ def time_sparse_adam(
   *,
   donate: bool = True,
   cpu_kernels: bool | None = None,
+  huge_pages: bool = False,
   steps: int = 20,
   repeats: int = 5,
   **opt_kwargs: Any,
@@ -163,12 +164,15 @@ def time_sparse_adam(
   """sparse_adam.update + apply_updates in one jitted step, params and state donated.
 
   `cpu_kernels=False` times the XLA-ops path (what GPUs and TPUs run) on the CPU;
-  None keeps the current setting.
+  None keeps the current setting. `huge_pages` advises the tables onto
+  transparent huge pages first (`osa.advise_huge_pages`).
   """
   dim = values[0].shape[1]
   opt = osa.sparse_adam(1e-3, **opt_kwargs)
   params = {"table": jnp.zeros((num_rows, dim), jnp.float32)}
   state = opt.init(params)
+  if huge_pages:
+    osa.advise_huge_pages((params, state))
   grads = [
     {"table": sparse.BCOO((jnp.asarray(v), jnp.asarray(i[:, None])), shape=(num_rows, dim))}
     for i, v in zip(ids, values, strict=True)
@@ -259,6 +263,7 @@ def time_torch_sparse_adam(
   values: list[np.ndarray],
   num_rows: int,
   *,
+  huge_pages: bool = False,
   steps: int = 20,
   repeats: int = 5,
 ) -> float | None:
@@ -274,13 +279,15 @@ def time_torch_sparse_adam(
     timings = []
     for threads in sorted({default_threads, 1}):
       torch.set_num_threads(threads)
-      timings.append(_time_torch(ids, values, num_rows, steps=steps, repeats=repeats))
+      timings.append(
+        _time_torch(ids, values, num_rows, huge_pages=huge_pages, steps=steps, repeats=repeats)
+      )
     return min(timings)
   finally:
     torch.set_num_threads(default_threads)
 
 
-def _time_torch(ids, values, num_rows, *, steps, repeats):
+def _time_torch(ids, values, num_rows, *, huge_pages, steps, repeats):
   dim = values[0].shape[1]
   param = torch.nn.Parameter(torch.zeros(num_rows, dim))
   opt = torch.optim.SparseAdam([param], lr=1e-3)
@@ -299,6 +306,12 @@ def _time_torch(ids, values, num_rows, *, steps, repeats):
       param.grad = grads[k % len(grads)]
       opt.step()
 
+  if huge_pages:  # the same advice for torch's table and moments (made by one step)
+    with torch.no_grad():
+      run(1)
+    state = opt.state[param]
+    tensors = [param.data, state["exp_avg"], state["exp_avg_sq"]]
+    _huge_pages.advise_memory([(t.data_ptr(), t.numel() * t.element_size()) for t in tensors])
   with torch.no_grad():
     seconds = best_step_time(run, steps, repeats)
   return seconds
@@ -326,41 +339,6 @@ def memory_floor(ids: list[np.ndarray], dim: int, *, repeats: int = 20) -> float
       np.copyto(dst, src)
     best = min(best, (time.perf_counter() - start) / 10)
   return best
-
-
-def random_row_floor(
-  ids: list[np.ndarray], num_rows: int, dim: int, *, steps: int = 20, repeats: int = 5
-) -> float:
-  """Seconds to add zeros into the touched rows of three V x D tables (param, m, v).
-
-  The same rows a masked step must read and write, at their random places in
-  tables far larger than the caches: one donated, jitted scatter-add per table
-  (the CPU kernel where it is built, as in the step), with no sorting,
-  coalescing or arithmetic. A step cannot touch its rows for less; the
-  contiguous `memory_floor` ignores where the rows are.
-  """
-  rows = [jnp.asarray(np.unique(i).astype(np.int32)) for i in ids]
-  zeros = [jnp.zeros((r.shape[0], dim), jnp.float32) for r in rows]
-  tables = [jnp.zeros((num_rows, dim), jnp.float32) for _ in range(3)]
-  layout = _bcoo.RowLayout((num_rows,), (dim,))
-
-  def touch(tables, rows, zeros):
-    update = sparse.BCOO(
-      (zeros, rows[:, None]), shape=layout.shape, indices_sorted=True, unique_indices=True
-    )
-    return [_bcoo.scatter_add_bcoo(t, update) for t in tables]
-
-  jitted = jax.jit(touch, donate_argnums=0)
-  carry = [tables]
-
-  def run(n):
-    t = carry[0]
-    for k in range(n):
-      t = jitted(t, rows[k % len(rows)], zeros[k % len(rows)])
-    jax.block_until_ready(t)
-    carry[0] = t
-
-  return best_step_time(run, steps, repeats)
 
 
 def cpu_kernels_used() -> bool:

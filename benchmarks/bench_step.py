@@ -13,12 +13,12 @@ or uniformly:
 - optax.adam + optax.apply_updates on the equivalent dense V x D gradient;
 - torch.optim.SparseAdam.step (if torch is installed) on the same gradient;
 - the memory floor: one contiguous copy of the bytes the masked step must read
-  and write (the touched rows of the parameter, m and v);
-- the random-row floor: adding zeros into those same rows where they lie in
-  three V-row tables (a scatter-add per table, nothing else).
+  and write (the touched rows of the parameter, m and v).
 
 Then the sparse_adam and torch steps at several table sizes V, same B, to show
-the cost does not grow with V. All figures of one run come from one process;
+the cost does not grow with V, with 4 KiB pages and with the tables on
+transparent huge pages (`osa.advise_huge_pages`, and the same advice for
+torch's tensors). All figures of one run come from one process;
 compare ratios, not absolute times, on a shared machine.
 
 Run from the repository root:
@@ -85,7 +85,6 @@ def main(argv=None) -> None:
       dense = c.time_optax_adam_dense(ids, values, v)
     torch_s = c.time_torch_sparse_adam(ids, values, v, **timing) if use_torch else None
     floor = c.memory_floor(ids, d)
-    row_floor = c.random_row_floor(ids, v, d, **timing)
     rows.append(
       (
         dist,
@@ -98,17 +97,16 @@ def main(argv=None) -> None:
         dense,
         torch_s,
         floor,
-        row_floor,
       )
     )
 
   print(
     "| ids | distinct rows | sparse_adam (donated) | XLA ops only | permutation-sort baseline "
     "| without donation | optax.adam dense | torch SparseAdam | memory floor "
-    "| random-row floor | torch / ours | torch / XLA ops | ours / floor "
-    "| ours / random-row floor | dense / ours |" + (" bf16 moments |" if args.bf16_moments else "")
+    "| torch / ours | torch / XLA ops | ours / floor | dense / ours |"
+    + (" bf16 moments |" if args.bf16_moments else "")
   )
-  print("|---" * (15 + args.bf16_moments) + "|")
+  print("|---" * (13 + args.bf16_moments) + "|")
   for (
     dist,
     touched,
@@ -120,13 +118,12 @@ def main(argv=None) -> None:
     dense_s,
     torch_s,
     floor,
-    row_floor,
   ) in rows:
     print(
       f"| {dist} | {touched:.0f} | {c.ms(ours)} | {c.ms(xla_ops)} | {c.ms(baseline)} "
       f"| {c.ms(undonated)} | {c.ms(dense_s)} | {c.ms(torch_s)} | {c.ms(floor)} "
-      f"| {c.ms(row_floor)} | {c.ratio(torch_s, ours)} | {c.ratio(torch_s, xla_ops)} "
-      f"| {c.ratio(ours, floor)} | {c.ratio(ours, row_floor)} | {c.ratio(dense_s, ours)} |"
+      f"| {c.ratio(torch_s, ours)} | {c.ratio(torch_s, xla_ops)} "
+      f"| {c.ratio(ours, floor)} | {c.ratio(dense_s, ours)} |"
       + (f" {c.ms(bf16)} |" if args.bf16_moments else "")
     )
   print()
@@ -135,30 +132,40 @@ def main(argv=None) -> None:
   print("Without donation XLA copies param, m and v whole every step: donate them.\n")
 
   if args.sweep:
-    print(f"## Flat in V (B={b:,}, D={d})\n")
-    print("| V | sparse_adam zipf | sparse_adam uniform | torch zipf | torch uniform |")
-    print("|---|---|---|---|---|")
-    sweep = {}
-    for vocab in args.sweep:
-      cells = []
-      for who in ("ours", "torch"):
-        for dist in ("zipf", "uniform"):
-          ids, values = c.id_batches(dist, vocab, b), c.grad_values(b, d)
-          if who == "ours":
-            seconds = c.time_sparse_adam(ids, values, vocab, **timing)
-          else:
-            seconds = c.time_torch_sparse_adam(ids, values, vocab, **timing) if use_torch else None
-          sweep[(vocab, who, dist)] = seconds
-          cells.append(c.ms(seconds))
-      print(f"| {vocab:,} | " + " | ".join(cells) + " |", flush=True)
-    lo, hi = min(args.sweep), max(args.sweep)
-    for dist in ("zipf", "uniform"):
-      print(
-        f"\nsparse_adam {dist}: V={hi:,} / V={lo:,} = "
-        f"{c.ratio(sweep[(hi, 'ours', dist)], sweep[(lo, 'ours', dist)])} (target <= 1.2x)",
-        end="",
-      )
-    print()
+    for huge_pages in (False, True):
+      _flat_in_v(args, huge_pages=huge_pages, use_torch=use_torch, timing=timing)
+
+
+def _flat_in_v(args, *, huge_pages: bool, use_torch: bool, timing: dict) -> None:
+  b, d = args.batch, args.dim
+  pages = "transparent huge pages" if huge_pages else "4 KiB pages"
+  print(f"\n## Flat in V (B={b:,}, D={d}), tables on {pages}\n")
+  print("| V | sparse_adam zipf | sparse_adam uniform | torch zipf | torch uniform |")
+  print("|---|---|---|---|---|")
+  sweep = {}
+  for vocab in args.sweep:
+    cells = []
+    for who in ("ours", "torch"):
+      for dist in ("zipf", "uniform"):
+        ids, values = c.id_batches(dist, vocab, b), c.grad_values(b, d)
+        if who == "ours":
+          seconds = c.time_sparse_adam(ids, values, vocab, huge_pages=huge_pages, **timing)
+        elif use_torch:
+          seconds = c.time_torch_sparse_adam(ids, values, vocab, huge_pages=huge_pages, **timing)
+        else:
+          seconds = None
+        sweep[(vocab, who, dist)] = seconds
+        cells.append(c.ms(seconds))
+    print(f"| {vocab:,} | " + " | ".join(cells) + " |", flush=True)
+  lo, hi = min(args.sweep), max(args.sweep)
+  for dist in ("zipf", "uniform"):
+    print(
+      f"\nsparse_adam {dist}: V={hi:,} / V={lo:,} = "
+      f"{c.ratio(sweep[(hi, 'ours', dist)], sweep[(lo, 'ours', dist)])} (target <= 1.2x); "
+      f"torch {c.ratio(sweep[(hi, 'torch', dist)], sweep[(lo, 'torch', dist)])}",
+      end="",
+    )
+  print()
 
 
 if __name__ == "__main__":

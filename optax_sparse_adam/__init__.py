@@ -10,6 +10,8 @@ from optax_sparse_adam._composition import sparse_apply_if_finite as sparse_appl
 from optax_sparse_adam._composition import sparse_multi_steps as sparse_multi_steps
 from optax_sparse_adam._cpu_kernel import available as cpu_kernels_available
 from optax_sparse_adam._cpu_kernel import use_cpu_kernels as use_cpu_kernels
+from optax_sparse_adam._huge_pages import HugePageAdvice as HugePageAdvice
+from optax_sparse_adam._huge_pages import advise_huge_pages as advise_huge_pages
 from optax_sparse_adam._math import AdamCoefficients as AdamCoefficients
 from optax_sparse_adam._math import LeafState as LeafState
 from optax_sparse_adam._math import sparse_adam_leaf_step as sparse_adam_leaf_step
@@ -59,6 +61,7 @@ def __getattr__(name: str):
 
 __all__ = (
   "AdamCoefficients",
+  "HugePageAdvice",
   "LeafState",
   "LinenSparseEmbed",
   "RowBuffer",
@@ -69,6 +72,7 @@ __all__ = (
   "SparseTable",
   "SparseTableBox",
   "SparseTrainState",
+  "advise_huge_pages",
   "apply_updates",
   "check_sparse_grads",
   "coalesce_rows",

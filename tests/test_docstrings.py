@@ -10,6 +10,7 @@ MODULES = [
   "optax_sparse_adam._composition",
   "optax_sparse_adam._checks",
   "optax_sparse_adam._cpu_kernel",
+  "optax_sparse_adam._huge_pages",
   "optax_sparse_adam._flax",
   "optax_sparse_adam.torch_compat",
   "optax_sparse_adam._torch_parameter",
