@@ -140,11 +140,15 @@ def _flat_in_v(args, *, huge_pages: bool, use_torch: bool, timing: dict) -> None
   b, d = args.batch, args.dim
   pages = "transparent huge pages" if huge_pages else "4 KiB pages"
   print(f"\n## Flat in V (B={b:,}, D={d}), tables on {pages}\n")
-  print("| V | sparse_adam zipf | sparse_adam uniform | torch zipf | torch uniform |")
-  print("|---|---|---|---|---|")
+  print(
+    "| V | distinct rows zipf / uniform | sparse_adam zipf | sparse_adam uniform "
+    "| torch zipf | torch uniform |"
+  )
+  print("|---|---|---|---|---|---|")
   sweep = {}
   for vocab in args.sweep:
-    cells = []
+    distinct = [c.touched_rows(c.id_batches(dist, vocab, b)) for dist in ("zipf", "uniform")]
+    cells = [" / ".join(f"{n:.0f}" for n in distinct)]
     for who in ("ours", "torch"):
       for dist in ("zipf", "uniform"):
         ids, values = c.id_batches(dist, vocab, b), c.grad_values(b, d)
