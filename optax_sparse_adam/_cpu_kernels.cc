@@ -132,9 +132,9 @@ int64_t SortRows(const int32_t* rows, int64_t nse, int64_t num_rows,
 // The moment and parameter arithmetic of one row, in _math.adam_rows' order.
 OSA_MULTIVERSIONED void AdamRow(
     float* __restrict__ g, float* __restrict__ m, float* __restrict__ v, int64_t row_size,
-    float sign, float one_minus_b1, float one_minus_b2, float eps, float neg_step_size) {
+    bool maximize, float one_minus_b1, float one_minus_b2, float eps, float neg_step_size) {
   for (int64_t j = 0; j < row_size; ++j) {
-    const float gj = sign * g[j];
+    const float gj = maximize ? -g[j] : g[j];  // a negation, as in XLA: NaNs flip sign too
     const float mj = m[j];
     const float vj = v[j];
     const float m_new = mj + (gj - mj) * one_minus_b1;
@@ -186,7 +186,6 @@ ffi::Error AdamRowsImpl(ffi::Buffer<ffi::S32> rows, ffi::Buffer<ffi::F32> values
   if (m != mu.typed_data()) std::memcpy(m, mu.typed_data(), mu.size_bytes());
   if (v != nu.typed_data()) std::memcpy(v, nu.typed_data(), nu.size_bytes());
   const float* c = coeffs.typed_data();
-  const float sign = maximize ? -1.0f : 1.0f;
   const float neg_step_size = -c[3];
   const float* val = values.typed_data();
   int32_t* out_rows = unique_rows->typed_data();
@@ -222,7 +221,7 @@ ffi::Error AdamRowsImpl(ffi::Buffer<ffi::S32> rows, ffi::Buffer<ffi::F32> values
       for (int64_t e = starts[s]; e < starts[s + 1]; ++e) {
         AddRow(g, val + static_cast<int64_t>(position[e]) * row_size, row_size);
       }
-      AdamRow(g, m + row * row_size, v + row * row_size, row_size, sign, c[0], c[1], c[2],
+      AdamRow(g, m + row * row_size, v + row * row_size, row_size, maximize, c[0], c[1], c[2],
               neg_step_size);
     }
   };

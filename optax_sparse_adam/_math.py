@@ -14,6 +14,11 @@ The optax transformation, the Flax helpers and the torch adapter all call
 
 This is `torch.optim.SparseAdam`'s arithmetic, in its order of operations:
 `eps` is added to `sqrt(v)`, not to `sqrt(v / (1 - b2^t))` as in `optax.adam`.
+
+On the CPU, a float32 step without amsgrad, weight decay or per-row bias
+correction is lowered to the fused kernels of `_cpu_kernels.cc` instead of XLA
+ops (`_cpu_kernel`): the same operations in the same order, which
+tests/test_cpu_kernels.py checks bit for bit against `adam_rows` here.
 """
 
 import functools
@@ -295,11 +300,6 @@ def _leaf_step(
   step = optax.safe_increment(state.step)
   compute_dtype = jnp.result_type(jnp.float32, grad.dtype, state.mu.dtype, state.nu.dtype)
   rows = _bcoo.linear_rows(grad.indices, layout)
-  tables = (
-    _bcoo.as_rows(state.mu, layout),
-    _bcoo.as_rows(state.nu, layout),
-    None if state.nu_max is None else _bcoo.as_rows(state.nu_max, layout),
-  )
   xla_step = functools.partial(
     _xla_rows_step,
     layout=layout,
@@ -319,6 +319,11 @@ def _leaf_step(
       rows, grad.data, state.mu, state.nu, layout, coeffs, step, step_size, maximize, xla_step
     )
   else:
+    tables = (
+      _bcoo.as_rows(state.mu, layout),
+      _bcoo.as_rows(state.nu, layout),
+      None if state.nu_max is None else _bcoo.as_rows(state.nu_max, layout),
+    )
     unique_rows, delta, (mu_table, nu_table, nu_max_table), row_step = xla_step(
       rows, grad.data, tables
     )

@@ -126,6 +126,8 @@ OPTIONS = {
 def test_kernels_equal_xla_ops_with_options(option):
   shape, n_sparse = LAYOUTS["embedding"]
   batches = _batches(shape, n_sparse, np.random.default_rng(2), steps=5)
+  batches[2][1][7, 3] = np.nan  # NaN and inf propagate alike on both paths, sign bits too
+  batches[3][1][9, 1] = -np.inf
   with_kernels = _train(OPTIONS[option](), shape, batches, use_jit=True, cpu_kernels=True)
   with_xla = _train(OPTIONS[option](), shape, batches, use_jit=True, cpu_kernels=False)
   _assert_same_bits(with_kernels, with_xla)
