@@ -227,3 +227,22 @@ def test_other_backends_lower_to_xla_ops(platform):
   # The same export for the CPU does use them: the check above can fail.
   cpu_text = exported_text("cpu")
   assert ADAM_KERNEL in cpu_text and ADD_KERNEL in cpu_text
+
+
+@needs_kernels
+def test_multithreaded_steps_equal_xla_ops_and_repeat_exactly():
+  """Steps large enough to spread over the intra-op threads (about 2,800 distinct rows
+  of 16 values from 8,192 entries, so most rows repeat): the same bits as the XLA ops,
+  and the same bits run to run."""
+  shape = (3000, 16)
+  rng = np.random.default_rng(5)
+  batches = []
+  for _ in range(3):
+    idx = rng.integers(-5, shape[0] + 5, (8192, 1)).astype(np.int32)
+    batches.append((idx, rng.standard_normal((8192, 16)).astype(np.float32)))
+  opt = osa.sparse_adam(1e-2)
+  first = _train(opt, shape, batches, use_jit=True, cpu_kernels=True)
+  again = _train(opt, shape, batches, use_jit=True, cpu_kernels=True)
+  with_xla = _train(opt, shape, batches, use_jit=True, cpu_kernels=False)
+  _assert_same_bits(first, again)
+  _assert_same_bits(first, with_xla)
