@@ -381,15 +381,11 @@ def _scatter_add_rows(param: jax.Array, update: BCOO, layout: RowLayout) -> jax.
       indices_are_sorted=update.indices_sorted,
     )
 
-  float32 = jnp.dtype(jnp.float32)
-  if (
-    param.dtype == float32
-    and update.dtype == float32
-    and update.nse > 0
-    and layout.num_rows > 0
-    and math.prod(layout.dense_shape) > 0
-    and not _sharding.explicit_axes()
-    and _cpu_kernel.enabled()
+  if _cpu_kernel.applies(
+    (param, update.data),
+    nse=update.nse,
+    num_rows=layout.num_rows,
+    row_size=math.prod(layout.dense_shape),
   ):
     # The kernel takes the parameter in its own shape: a reshaped operand that
     # it updates in place would be copied by XLA.

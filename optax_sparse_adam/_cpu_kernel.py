@@ -18,11 +18,14 @@ import ctypes
 import functools
 import importlib.machinery
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
+
+from optax_sparse_adam import _sharding
 
 _ADAM_ROWS = "optax_sparse_adam_adam_rows_f32"
 _SCATTER_ADD_ROWS = "optax_sparse_adam_scatter_add_rows_f32"
@@ -81,6 +84,23 @@ def enabled() -> bool:
   # One device: a custom call cannot be partitioned, and a sharded table must
   # not be gathered onto every device.
   return wanted and jax.device_count() == 1 and available()
+
+
+def applies(arrays: Sequence[Any], *, nse: int, num_rows: int, row_size: int) -> bool:
+  """Whether a kernel may run a step on `arrays` (all float32) at trace time.
+
+  Also needs at least one entry and one row of at least one value, no mesh with
+  Explicit axes (the kernels see whole arrays), and `enabled()`.
+  """
+  float32 = jnp.dtype(jnp.float32)
+  return (
+    all(jnp.dtype(x.dtype) == float32 for x in arrays)
+    and nse > 0
+    and num_rows > 0
+    and row_size > 0
+    and not _sharding.explicit_axes()
+    and enabled()
+  )
 
 
 @contextlib.contextmanager

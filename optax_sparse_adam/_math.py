@@ -298,6 +298,8 @@ def _leaf_step(
       "n_sparse=1 gradients (bcoo_update_layout(grad, n_dense=ndim - 1))."
     )
   step = optax.safe_increment(state.step)
+  if row_step is None and step_size is None:
+    step_size = bias_corrected_step_size(coeffs, step)
   compute_dtype = jnp.result_type(jnp.float32, grad.dtype, state.mu.dtype, state.nu.dtype)
   rows = _bcoo.linear_rows(grad.indices, layout)
   xla_step = functools.partial(
@@ -306,7 +308,6 @@ def _leaf_step(
     param=param,
     row_step=row_step,
     coeffs=coeffs,
-    step=step,
     step_size=step_size,
     maximize=maximize,
     decoupled_weight_decay=decoupled_weight_decay,
@@ -314,9 +315,20 @@ def _leaf_step(
     compute_dtype=compute_dtype,
     opaque_zero=opaque_zero,
   )
-  if _can_use_cpu_kernels(grad, state, layout, uses_weight_decay):
+  kernel_computes_it = (
+    state.nu_max is None
+    and row_step is None
+    and not uses_weight_decay
+    and _cpu_kernel.applies(
+      (grad.data, state.mu, state.nu),
+      nse=grad.nse,
+      num_rows=layout.num_rows,
+      row_size=math.prod(layout.dense_shape),
+    )
+  )
+  if kernel_computes_it:
     unique_rows, delta, (mu_table, nu_table, nu_max_table) = _rows_step_with_cpu_kernels(
-      rows, grad.data, state.mu, state.nu, layout, coeffs, step, step_size, maximize, xla_step
+      rows, grad.data, state.mu, state.nu, layout, coeffs, step_size, maximize, xla_step
     )
   else:
     tables = (
@@ -348,7 +360,6 @@ def _xla_rows_step(
   param: jax.Array | None,
   row_step: jax.Array | None,
   coeffs: AdamCoefficients,
-  step: jax.Array,
   step_size: jax.Array | None,
   maximize: bool,
   decoupled_weight_decay: bool,
@@ -383,8 +394,6 @@ def _xla_rows_step(
     row_step_size = bias_corrected_step_size(coeffs, jnp.maximum(new_row_steps, 1))
     step_size = row_step_size.reshape(row_step_size.shape + (1,) * len(layout.dense_shape))
     row_step = _bcoo.scatter_rows(row_step, rows, new_row_steps)
-  elif step_size is None:
-    step_size = bias_corrected_step_size(coeffs, step)
 
   delta, mu_rows, nu_rows, nu_max_rows = adam_rows(
     g,
@@ -415,26 +424,6 @@ def _xla_rows_step(
   return rows, delta, new_tables, row_step
 
 
-def _can_use_cpu_kernels(
-  grad: sparse.BCOO, state: LeafState, layout: _bcoo.RowLayout, uses_weight_decay: bool
-) -> bool:
-  """Whether this leaf's step is one the CPU kernels compute (see `_cpu_kernel`)."""
-  float32 = jnp.dtype(jnp.float32)
-  return (
-    grad.dtype == float32
-    and state.mu.dtype == float32
-    and state.nu.dtype == float32
-    and state.nu_max is None
-    and state.row_step is None
-    and not uses_weight_decay
-    and grad.nse > 0
-    and layout.num_rows > 0
-    and math.prod(layout.dense_shape) > 0
-    and not _sharding.explicit_axes()
-    and _cpu_kernel.enabled()
-  )
-
-
 def _rows_step_with_cpu_kernels(
   rows: jax.Array,
   values: jax.Array,
@@ -442,8 +431,7 @@ def _rows_step_with_cpu_kernels(
   nu: jax.Array,
   layout: _bcoo.RowLayout,
   coeffs: AdamCoefficients,
-  step: jax.Array,
-  step_size: jax.Array | None,
+  step_size: jax.Array,
   maximize: bool,
   xla_step: Any,
 ) -> tuple[jax.Array, jax.Array, tuple]:
@@ -451,8 +439,6 @@ def _rows_step_with_cpu_kernels(
 
   The moments go in and come out in the parameter's shape.
   """
-  if step_size is None:
-    step_size = bias_corrected_step_size(coeffs, step)
   f32 = jnp.float32
   coefficients = jnp.stack(
     [
