@@ -178,8 +178,11 @@ def time_sparse_adam(
     for i, v in zip(ids, values, strict=True)
   ]
 
-  setting = contextlib.nullcontext() if cpu_kernels is None else None
-  with setting or _cpu_kernel.use_cpu_kernels(cpu_kernels):
+  if cpu_kernels is None:
+    setting = contextlib.nullcontext()
+  else:
+    setting = _cpu_kernel.use_cpu_kernels(cpu_kernels)
+  with setting:
     return time_jitted_steps(
       sparse_step(opt), params, state, grads, donate=donate, steps=steps, repeats=repeats
     )
