@@ -16,6 +16,7 @@ import numpy as np
 import optax
 import pytest
 from jax.experimental import sparse
+from steps import train_step
 
 import optax_sparse_adam as osa
 
@@ -60,18 +61,10 @@ def _assert_message(err: BaseException, fragments: list[str]) -> None:
     assert fragment in text, f"{fragment!r} not in error message: {text}"
 
 
-def _step(opt: optax.GradientTransformation):
-  def step(params, state, grads):
-    updates, state = opt.update(grads, state, params)
-    return osa.apply_updates(params, updates), state
-
-  return step
-
-
 @functools.cache
 def _jitted_step(opt: optax.GradientTransformation):
   """One compiled, donating step per optimizer, shared by the tests."""
-  return jax.jit(_step(opt), donate_argnums=(0, 1))
+  return jax.jit(train_step(opt), donate_argnums=(0, 1))
 
 
 SPARSE_ADAM = osa.sparse_adam(0.1)
@@ -91,7 +84,7 @@ def run_step(request):
   """Runs one training step eagerly, or jitted with params and state donated."""
 
   def run(opt, params, state, grads):
-    step = _jitted_step(opt) if request.param == "jit_donated" else _step(opt)
+    step = _jitted_step(opt) if request.param == "jit_donated" else train_step(opt)
     return step(params, state, grads)
 
   return run

@@ -8,6 +8,7 @@ import optax
 import orbax.checkpoint as ocp
 import pytest
 from jax.experimental import sparse
+from steps import train_step
 
 import optax_sparse_adam as osa
 
@@ -59,10 +60,7 @@ def _bits(tree) -> list:
 def test_resume_from_orbax_checkpoint_is_bit_exact(tmp_path, config):
   opt, dtype = CONFIGS[config]()
 
-  @jax.jit
-  def step(params, state, grads):
-    updates, state = opt.update(grads, state, params)
-    return osa.apply_updates(params, updates), state
+  step = jax.jit(train_step(opt))
 
   params = _initial_params(dtype)
   state = opt.init(params)

@@ -12,6 +12,7 @@ import optax
 import pytest
 from jax.experimental import sparse
 from reference import NumpySparseAdam
+from steps import train_step
 
 import optax_sparse_adam as osa
 
@@ -468,10 +469,7 @@ def test_documented_composition_compiles_once_and_keeps_untouched_rows():
   )
   params = params_tree()
 
-  @jax.jit
-  def step(params, state, grads):
-    updates, state = opt.update(grads, state, params)
-    return osa.apply_updates(params, updates), state
+  step = jax.jit(train_step(opt))
 
   p, state = params, opt.init(params)
   touched = np.zeros(NUM_ROWS, bool)

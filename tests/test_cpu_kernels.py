@@ -14,6 +14,7 @@ import numpy as np
 import optax
 import pytest
 from jax.experimental import sparse
+from steps import train_step
 
 import optax_sparse_adam as osa
 from optax_sparse_adam import _cpu_kernel
@@ -159,12 +160,8 @@ def _compiled_text(opt, *, shape=(50, 8), dtype=jnp.float32, cpu_kernels=True):
   params = {"w": jnp.zeros(shape, dtype)}
   grads = {"w": sparse.BCOO.fromdense(jnp.zeros(shape, dtype).at[3].set(1.0), n_dense=1)}
 
-  def step(params, state, grads):
-    updates, state = opt.update(grads, state, params)
-    return osa.apply_updates(params, updates), state
-
   with _cpu_kernel.use_cpu_kernels(cpu_kernels):
-    lowered = jax.jit(step, donate_argnums=(0, 1)).lower(params, opt.init(params), grads)
+    lowered = jax.jit(train_step(opt), donate_argnums=(0, 1)).lower(params, opt.init(params), grads)
   return lowered.compile().as_text()
 
 
@@ -209,9 +206,7 @@ def test_other_backends_lower_to_xla_ops(platform):
   params = {"w": jnp.zeros((50, 8), jnp.float32)}
   grads = {"w": sparse.BCOO.fromdense(jnp.zeros((50, 8)).at[3].set(1.0), n_dense=1)}
 
-  def step(params, state, grads):
-    updates, state = opt.update(grads, state, params)
-    return osa.apply_updates(params, updates), state
+  step = train_step(opt)
 
   # The kernels' targets promise no serialization compatibility; export refuses
   # them unless told, which lets the check below see whether they are there.

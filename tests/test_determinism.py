@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.experimental import sparse
+from steps import train_step
 
 import optax_sparse_adam as osa
 
@@ -48,21 +49,13 @@ def _train(step_fn, opt) -> list:
   return [np.asarray(x).tobytes() for x in jax.tree.leaves((params, state))]
 
 
-def _step(opt):
-  def step(params, state, grads):
-    updates, state = opt.update(grads, state, params)
-    return osa.apply_updates(params, updates), state
-
-  return step
-
-
 @pytest.mark.parametrize("amsgrad", [False, True], ids=["adam", "amsgrad"])
 def test_jitted_training_is_bit_identical_run_to_run_and_across_recompilation(amsgrad):
   opt = osa.sparse_adam(0.01, amsgrad=amsgrad)
-  step = jax.jit(_step(opt))
+  step = jax.jit(train_step(opt))
   first = _train(step, opt)
   assert _train(step, opt) == first
   # A new function object is traced and compiled anew.
-  recompiled = jax.jit(_step(opt))
+  recompiled = jax.jit(train_step(opt))
   assert _train(recompiled, opt) == first
   assert recompiled._cache_size() == 1 and step._cache_size() == 1

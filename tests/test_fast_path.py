@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from jax.experimental import sparse
 from reference import NumpySparseAdam
+from steps import train_step
 
 import optax_sparse_adam as osa
 from optax_sparse_adam import _bcoo, _cpu_kernel
@@ -119,10 +120,7 @@ def _run_steps(opt, param0, batches, use_jit):
   params = {"w": jnp.array(param0)}  # a copy: the jitted step donates it
   state = opt.init(params)
 
-  def step(params, state, grads):
-    updates, state = opt.update(grads, state, params)
-    return osa.apply_updates(params, updates), state
-
+  step = train_step(opt)
   if use_jit:
     step = jax.jit(step, donate_argnums=(0, 1))
   for idx, val in batches:

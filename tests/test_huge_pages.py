@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.experimental import sparse
+from steps import train_step
 
 import optax_sparse_adam as osa
 
@@ -59,11 +60,7 @@ def test_training_on_huge_pages_is_unchanged_bit_for_bit():
     for _ in range(3)
   ]
 
-  def step(params, state, grads):
-    updates, state = opt.update(grads, state, params)
-    return osa.apply_updates(params, updates), state
-
-  step = jax.jit(step, donate_argnums=(0, 1))
+  step = jax.jit(train_step(opt), donate_argnums=(0, 1))
   results = []
   for advise in (False, True):
     params = {"table": jnp.full((NUM_ROWS, DIM), 0.5, jnp.float32)}

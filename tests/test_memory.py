@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.experimental import sparse
+from steps import train_step
 
 import optax_sparse_adam as osa
 from optax_sparse_adam import _cpu_kernel
@@ -22,17 +23,9 @@ DIM = 24
 NSE = 64
 
 
-def _step_fn(opt):
-  def step(params, state, grads):
-    updates, state = opt.update(grads, state, params)
-    return osa.apply_updates(params, updates), state
-
-  return step
-
-
 def _compile(opt, params, grads, *, donate=True, cpu_kernels=True):
   state = opt.init(params)
-  jitted = jax.jit(_step_fn(opt), donate_argnums=(0, 1) if donate else ())
+  jitted = jax.jit(train_step(opt), donate_argnums=(0, 1) if donate else ())
   with _cpu_kernel.use_cpu_kernels(cpu_kernels):
     return jitted.lower(params, state, grads).compile()
 

@@ -9,6 +9,7 @@ import optax
 import pytest
 from jax.experimental import sparse
 from reference import NumpySparseAdam
+from steps import train_step
 
 import optax_sparse_adam as osa
 
@@ -33,17 +34,9 @@ def _grad_data(step: int, nse: int = 4) -> np.ndarray:
 INDICES = np.array([[1], [3], [3], [4]])
 
 
-def _step(opt):
-  def step(params, state, grads):
-    updates, state = opt.update(grads, state, params)
-    return osa.apply_updates(params, updates), state
-
-  return step
-
-
 @functools.cache
 def _jitted_step(opt):
-  return jax.jit(_step(opt))
+  return jax.jit(train_step(opt))
 
 
 SPARSE_ADAM = osa.sparse_adam(LR)
@@ -60,7 +53,7 @@ def test_default_is_torch_behaviour_nan_reaches_touched_rows_only(bad, jit):
   params = {"t": jnp.asarray(_table())}
   state = SPARSE_ADAM.init(params)
   ref = NumpySparseAdam(_table(), lr=LR, dtype=np.float32)
-  step = _jitted_step(SPARSE_ADAM) if jit else _step(SPARSE_ADAM)
+  step = _jitted_step(SPARSE_ADAM) if jit else train_step(SPARSE_ADAM)
   for i in range(3):
     data = _grad_data(i)
     if i == 1:
@@ -94,7 +87,7 @@ def test_apply_if_finite_skips_the_step_with_state_untouched(bad, flags):
   on exactly as if the bad step had never been taken.
   """
   guarded = optax.apply_if_finite(osa.sparse_adam(LR), max_consecutive_errors=3)
-  step = jax.jit(_step(guarded))
+  step = jax.jit(train_step(guarded))
   params = {"t": jnp.asarray(_table())}
   state = guarded.init(params)
   grads = [_grad_data(i) for i in range(4)]
@@ -129,7 +122,7 @@ def test_apply_if_finite_skips_the_step_with_state_untouched(bad, flags):
 def test_apply_if_finite_gives_up_after_max_consecutive_errors():
   """Past max_consecutive_errors the bad update goes through: torch's NaN rows again."""
   guarded = optax.apply_if_finite(osa.sparse_adam(LR), max_consecutive_errors=1)
-  step = jax.jit(_step(guarded))
+  step = jax.jit(train_step(guarded))
   params = {"t": jnp.asarray(_table())}
   state = guarded.init(params)
   data = _grad_data(0)
@@ -148,7 +141,7 @@ def test_out_of_range_padding_is_finite_for_apply_if_finite():
   params = {"t": jnp.asarray(_table())}
   state = guarded.init(params)
   padding = _bcoo(np.zeros((2, 3)), [[6], [6]])
-  params, state = jax.jit(_step(guarded))(params, state, {"t": padding})
+  params, state = jax.jit(train_step(guarded))(params, state, {"t": padding})
   assert bool(state.last_finite)
   assert int(state.inner_state.step["t"]) == 1
   np.testing.assert_array_equal(params["t"], _table())

@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax.experimental import sparse
 from reference import NumpySparseAdam
+from steps import train_step
 
 import optax_sparse_adam as osa
 
@@ -18,10 +19,7 @@ TOLERANCE = {jnp.float32: dict(rtol=2e-6, atol=1e-7), jnp.bfloat16: dict(rtol=2e
 
 
 def make_step(opt, use_jit):
-  def step(params, state, grads):
-    updates, state = opt.update(grads, state, params)
-    return osa.apply_updates(params, updates), state
-
+  step = train_step(opt)
   return jax.jit(step, donate_argnums=(0, 1)) if use_jit else step
 
 

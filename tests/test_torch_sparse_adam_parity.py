@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.experimental import sparse
+from steps import train_step
 
 import optax_sparse_adam as osa
 
@@ -38,10 +39,7 @@ def test_embedding_training_matches_torch(hp, use_jit):
   opt = osa.sparse_adam(hp["lr"], *hp["betas"], hp["eps"], maximize=hp["maximize"])
   state = opt.init(params)
 
-  def step(params, state, grads):
-    updates, state = opt.update(grads, state, params)
-    return osa.apply_updates(params, updates), state
-
+  step = train_step(opt)
   if use_jit:
     step = jax.jit(step, donate_argnums=(0, 1))
   rng = np.random.default_rng(0)
@@ -88,10 +86,7 @@ def test_moments_are_bit_identical_to_torch_without_repeated_ids():
   opt = osa.sparse_adam(1e-2)
   state = opt.init(params)
 
-  @jax.jit
-  def step(params, state, grads):
-    updates, state = opt.update(grads, state, params)
-    return osa.apply_updates(params, updates), state
+  step = jax.jit(train_step(opt))
 
   rng = np.random.default_rng(1)
   for _ in range(steps):
