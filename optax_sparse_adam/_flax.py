@@ -31,7 +31,7 @@ from flax.training import train_state
 from jax import lax
 from jax.experimental import sparse
 
-from optax_sparse_adam import _transform
+from optax_sparse_adam import _flax_options, _transform
 from optax_sparse_adam._errors import describe
 
 _default_embed_init = jax.nn.initializers.variance_scaling(
@@ -103,6 +103,13 @@ class _Tape:
     self.index_of = {id(table): i for i, table in enumerate(tables)}
     self.perturbations = perturbations
     self.ids: list[list[jax.Array]] = [[] for _ in tables]
+    self.replacements: list[jax.Array] = []  # keeps replaced tables alive, so ids stay unique
+
+  def replace(self, old: jax.Array, new: jax.Array) -> None:
+    i = self.index_of.get(id(old))
+    if i is not None:
+      self.index_of[id(new)] = i
+      self.replacements.append(new)
 
   def lookup(self, table: jax.Array, ids: jax.Array) -> jax.Array | None:
     i = self.index_of.get(id(table))
@@ -141,6 +148,25 @@ def _recording(tape: _Tape):
     yield tape
   finally:
     stack.pop()
+
+
+def _replace_table(old: jax.Array, new: jax.Array) -> None:
+  """Records that `new` (a renormalised `old`) is the same table for the lookups that follow."""
+  tape = _active_tape()
+  if tape is not None:
+    tape.replace(old, new)
+
+
+def renormalised_table(table: jax.Array, ids: jax.Array, max_norm: float, norm_type: float):
+  """torch's in-place `embedding_renorm_` of the rows `ids` names, as a new table array.
+
+  The caller stores the result where the table lives (an NNX variable, a mutable
+  Linen `params` collection); lookups of it inside `sparse_value_and_grad` are
+  recorded as lookups of the original table.
+  """
+  new = _flax_options.renorm_rows(table, jnp.asarray(ids), float(max_norm), float(norm_type))
+  _replace_table(table, new)
+  return new
 
 
 def _gather(table: jax.Array, ids: jax.Array) -> jax.Array:
@@ -201,11 +227,23 @@ class SparseEmbed(nnx.Module):
 
   A drop-in for `nnx.Embed` (same initializer, same call), except that ids
   outside `[0, num_embeddings)` read zero rows instead of NaNs. Under
-  `nnx.grad` it behaves like `nnx.Embed` (dense gradient).
+  `nnx.grad` it behaves like `nnx.Embed` (dense gradient). The options of torch's
+  `nn.Embedding(sparse=True)` are available with torch's semantics (see
+  docs/porting/embeddings.md).
 
   Args:
     num_embeddings: number of rows `V`.
     features: row width `D`.
+    padding_idx: a row that lookups read but that gets no gradient entry, so
+      the optimizer never touches it (its value and moments stay bit-exact);
+      zeroed at initialisation, as torch. Negative counts from the end.
+    max_norm: if set, each lookup first renormalises, in place in the table
+      variable, the looked-up rows whose `norm_type`-norm exceeds it, to
+      `max_norm / (norm + 1e-7)` times themselves (torch's forward).
+    norm_type: p of the p-norm for `max_norm` (default 2).
+    scale_grad_by_freq: scale each id's gradient entries by the inverse of its
+      count in the call's ids (torch's dense semantics; torch refuses it with
+      `sparse=True`).
     dtype: dtype of the returned rows; default the table's.
     param_dtype: dtype of the table.
     embedding_init: initializer of the table.
@@ -227,6 +265,10 @@ class SparseEmbed(nnx.Module):
     num_embeddings: int,
     features: int,
     *,
+    padding_idx: int | None = None,
+    max_norm: float | None = None,
+    norm_type: float = 2.0,
+    scale_grad_by_freq: bool = False,
     dtype: Any = None,
     param_dtype: Any = jnp.float32,
     embedding_init: Callable[..., jax.Array] = _default_embed_init,
@@ -234,13 +276,29 @@ class SparseEmbed(nnx.Module):
   ):
     self.num_embeddings = num_embeddings
     self.features = features
+    self.padding_idx = _flax_options.check_padding_idx(padding_idx, num_embeddings, "SparseEmbed")
+    _flax_options.check_max_norm(max_norm, norm_type, "SparseEmbed")
+    self.max_norm, self.norm_type = max_norm, norm_type
+    self.scale_grad_by_freq = scale_grad_by_freq
     self.dtype = dtype
     self.embedding = SparseTable(
-      embedding_init(rngs.params(), (num_embeddings, features), param_dtype)
+      _flax_options.zero_padding_row(
+        embedding_init(rngs.params(), (num_embeddings, features), param_dtype), self.padding_idx
+      )
     )
 
   def __call__(self, inputs: jax.Array) -> jax.Array:
-    rows = embedding_lookup(self.embedding, inputs)
+    if self.max_norm is not None:
+      self.embedding.set_value(
+        renormalised_table(self.embedding.get_value(), inputs, self.max_norm, self.norm_type)
+      )
+    rows = _flax_options.embedding_rows(
+      lambda ids: embedding_lookup(self.embedding, ids),
+      self.embedding.get_value(),
+      jnp.asarray(inputs),
+      padding_idx=self.padding_idx,
+      scale_grad_by_freq=self.scale_grad_by_freq,
+    )
     return rows if self.dtype is None else rows.astype(self.dtype)
 
 
@@ -249,11 +307,23 @@ class LinenSparseEmbed(nn.Module):
 
   A drop-in for `nn.Embed` (same initializer, the param is also named
   `embedding`), except that the param is stored in a `SparseTableBox` and ids
-  outside `[0, num_embeddings)` read zero rows instead of NaNs.
+  outside `[0, num_embeddings)` read zero rows instead of NaNs. The options of
+  torch's `nn.Embedding(sparse=True)` are those of `SparseEmbed`.
+
+  With `max_norm`, the renormalised table is written back to the `params`
+  collection, as torch renormalises its weight in place: `apply` must be called
+  with `mutable=['params']` and the returned params kept (for example returned as
+  aux from the loss, then given to the train state before `apply_gradients`).
+  Without it, `apply` raises rather than train a table that differs from torch's.
+  `init` does not renormalise (torch's constructor does not).
 
   Attributes:
     num_embeddings: number of rows `V`.
     features: row width `D`.
+    padding_idx: see `SparseEmbed`.
+    max_norm: see `SparseEmbed`; needs `mutable=['params']` in `apply`.
+    norm_type: see `SparseEmbed`.
+    scale_grad_by_freq: see `SparseEmbed`.
     dtype: dtype of the returned rows; default the table's.
     param_dtype: dtype of the table.
     embedding_init: initializer of the table.
@@ -261,20 +331,53 @@ class LinenSparseEmbed(nn.Module):
 
   num_embeddings: int
   features: int
+  padding_idx: int | None = None
+  max_norm: float | None = None
+  norm_type: float = 2.0
+  scale_grad_by_freq: bool = False
   dtype: Any = None
   param_dtype: Any = jnp.float32
   embedding_init: Callable[..., jax.Array] = _default_embed_init
 
   @nn.compact
   def __call__(self, inputs: jax.Array) -> jax.Array:
-    table = self.param(
-      "embedding",
-      lambda key, shape, dtype: SparseTableBox(self.embedding_init(key, shape, dtype)),
-      (self.num_embeddings, self.features),
-      self.param_dtype,
+    table, padding_idx = linen_table(self, self.num_embeddings, self.features, inputs)
+    rows = _flax_options.embedding_rows(
+      lambda ids: embedding_lookup(table, ids),
+      table,
+      jnp.asarray(inputs),
+      padding_idx=padding_idx,
+      scale_grad_by_freq=self.scale_grad_by_freq,
     )
-    rows = embedding_lookup(table, inputs)
     return rows if self.dtype is None else rows.astype(self.dtype)
+
+
+def linen_table(module: nn.Module, num_embeddings: int, features: int, ids: jax.Array):
+  """`(table, padding_idx)` of a Linen embedding module, renormalised for `ids` if it has max_norm.
+
+  `module` has the attributes `padding_idx`, `max_norm`, `norm_type`,
+  `param_dtype` and `embedding_init`; its param is `embedding`, boxed.
+  """
+  owner = type(module).__name__
+  padding_idx = _flax_options.check_padding_idx(module.padding_idx, num_embeddings, owner)
+  _flax_options.check_max_norm(module.max_norm, module.norm_type, owner)
+
+  def init(key, shape, dtype):
+    table = module.embedding_init(key, shape, dtype)
+    return SparseTableBox(_flax_options.zero_padding_row(table, padding_idx))
+
+  table = module.param("embedding", init, (num_embeddings, features), module.param_dtype)
+  if module.max_norm is not None and not module.is_initializing():
+    if not module.is_mutable_collection("params"):
+      raise ValueError(
+        f"{owner}(max_norm={module.max_norm}) at {'/'.join(module.scope.path)}: the lookup "
+        "renormalises rows of the table in place, as torch does, so the params must be "
+        "writable: call apply(..., mutable=['params']) and keep the params it returns "
+        "(their table is the one the gradient belongs to)."
+      )
+    table = renormalised_table(table, ids, module.max_norm, module.norm_type)
+    module.put_variable("params", "embedding", SparseTableBox(table))
+  return table, padding_idx
 
 
 # ---------------------------------------------------------------------------
@@ -336,13 +439,17 @@ def _nnx_value_and_grad(fun, argnums, has_aux, wrt, args, kwargs):
       loss, aux = _split_output(fun(*call_args, **kwargs), has_aux)
     _check_loss(loss)
     new_rest = nnx.as_pure(nnx.state(model, nnx.Not(wrt)))
-    return loss, (aux, tape.ids, new_rest)
+    # Tables a lookup wrote (max_norm's in-place renorm) go back to the module too.
+    table_state = nnx.state(model, nnx.All(SparseTable, wrt))
+    new_tables = [v.get_value() for v in jax.tree.leaves(table_state, is_leaf=_is_variable)]
+    written = [n if n is not a else None for n, a in zip(new_tables, arrays, strict=True)]
+    return loss, (aux, tape.ids, (new_rest, written))
 
   pure_params, pure_rest = nnx.as_pure(params), nnx.as_pure(rest)
   # Shape pass: which tables are looked up, how many times, with which ids shapes.
   _, (_, recorded, _) = jax.eval_shape(call, pure_params, None, arrays, pure_rest)
   perturbations = _zero_perturbations(arrays, recorded)
-  (loss, (aux, ids, new_rest)), (param_grads, cotangents) = jax.value_and_grad(
+  (loss, (aux, ids, (new_rest, written))), (param_grads, cotangents) = jax.value_and_grad(
     call, argnums=(0, 1), has_aux=True
   )(pure_params, perturbations, arrays, pure_rest)
   param_grads = jax.tree.map(
@@ -356,6 +463,17 @@ def _nnx_value_and_grad(fun, argnums, has_aux, wrt, args, kwargs):
     ],
   )
   nnx.update(target, new_rest)
+  if any(w is not None for w in written):
+    nnx.update(
+      target,
+      jax.tree.unflatten(
+        tables_def,
+        [
+          v.replace(value=a if w is None else w)
+          for v, a, w in zip(table_vars, arrays, written, strict=True)
+        ],
+      ),
+    )
   return (loss, aux), nnx.merge_state(param_grads, table_grads)
 
 
