@@ -24,7 +24,8 @@ __version__ = "0.1.0"
 
 # The Flax glue is importable from the top level, but loaded on first use: flax
 # is an optional dependency and takes a second to import.
-_FLAX_NAMES = (
+_FLAX_BAG_NAMES = ("LinenSparseEmbedBag", "SparseEmbedBag", "embedding_bag_lookup")
+_FLAX_NAMES = _FLAX_BAG_NAMES + (
   "LinenSparseEmbed",
   "SparseEmbed",
   "SparseOptimizer",
@@ -47,6 +48,9 @@ def __getattr__(name: str):
   if name in _FLAX_NAMES:
     try:
       from optax_sparse_adam import _flax
+
+      if name in _FLAX_BAG_NAMES:
+        from optax_sparse_adam import _flax_bag as _flax
     except ModuleNotFoundError as err:
       if err.name != "flax":
         raise
@@ -64,9 +68,11 @@ __all__ = (
   "HugePageAdvice",
   "LeafState",
   "LinenSparseEmbed",
+  "LinenSparseEmbedBag",
   "RowBuffer",
   "SparseAdamState",
   "SparseEmbed",
+  "SparseEmbedBag",
   "SparseMultiStepsState",
   "SparseOptimizer",
   "SparseTable",
@@ -77,6 +83,7 @@ __all__ = (
   "check_sparse_grads",
   "coalesce_rows",
   "cpu_kernels_available",
+  "embedding_bag_lookup",
   "embedding_lookup",
   "lift_to_bcoo",
   "sparse_adam",

@@ -10,14 +10,20 @@ from optax_sparse_adam._flax import embedding_lookup as embedding_lookup
 from optax_sparse_adam._flax import sparse_grad as sparse_grad
 from optax_sparse_adam._flax import sparse_value_and_grad as sparse_value_and_grad
 from optax_sparse_adam._flax import table_labels as table_labels
+from optax_sparse_adam._flax_bag import LinenSparseEmbedBag as LinenSparseEmbedBag
+from optax_sparse_adam._flax_bag import SparseEmbedBag as SparseEmbedBag
+from optax_sparse_adam._flax_bag import embedding_bag_lookup as embedding_bag_lookup
 
 __all__ = (
   "LinenSparseEmbed",
+  "LinenSparseEmbedBag",
   "SparseEmbed",
+  "SparseEmbedBag",
   "SparseOptimizer",
   "SparseTable",
   "SparseTableBox",
   "SparseTrainState",
+  "embedding_bag_lookup",
   "embedding_lookup",
   "sparse_grad",
   "sparse_value_and_grad",

@@ -12,6 +12,7 @@ MODULES = [
   "optax_sparse_adam._cpu_kernel",
   "optax_sparse_adam._huge_pages",
   "optax_sparse_adam._flax",
+  "optax_sparse_adam._flax_bag",
   "optax_sparse_adam.torch_compat",
   "optax_sparse_adam._torch_parameter",
 ]
