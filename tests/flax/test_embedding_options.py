@@ -272,3 +272,18 @@ def test_compiled_step_with_options_has_no_dense_table_temporary():
 
   compiled = jax.jit(step, donate_argnums=0).lower(state, jnp.arange(12).reshape(3, 4)).compile()
   assert dense_table_temporaries(compiled, "f32[1013,7]", 3) == []
+
+
+def test_dense_nnx_grad_with_max_norm_renormalises_and_equals_torch_dense_gradient():
+  ids = np.array([1, 2, 2, 7])
+  model = osa.SparseEmbed(NUM_ROWS, DIM, max_norm=0.3, rngs=nnx.Rngs(0))
+  before = np.asarray(model.embedding[...])
+  grad = nnx.grad(lambda m: jnp.sum(jnp.sin(m(jnp.asarray(ids)))))(model)["embedding"][...]
+  embed = torch.nn.Embedding(NUM_ROWS, DIM, max_norm=0.3)
+  with torch.no_grad():
+    embed.weight.copy_(torch.tensor(before))
+  torch.sin(embed(torch.from_numpy(ids))).sum().backward()
+  np.testing.assert_allclose(grad, embed.weight.grad.numpy(), rtol=1e-6, atol=1e-7)
+  # The in-place renorm reached the module, as torch's reaches its weight.
+  np.testing.assert_allclose(model.embedding[...], embed.weight.detach().numpy(), atol=1e-7)
+  assert not np.array_equal(model.embedding[...], before)
