@@ -343,3 +343,15 @@ def test_bad_inputs_name_the_parameter(kwargs, call, error, match):
   with pytest.raises(error, match=match):
     model(*[jnp.asarray(x) for x in call])
   np.testing.assert_array_equal(model.embedding[...], before)
+
+
+@pytest.mark.parametrize("mode", ["sum", "mean", "max"])
+def test_left_out_ids_are_zero_padding_that_check_sparse_grads_accepts(mode):
+  model = osa.SparseEmbedBag(NUM_ROWS, DIM, mode=mode, padding_idx=PADDING, rngs=nnx.Rngs(0))
+  ids = jnp.array([[4, -1, 5, PADDING], [PADDING, NUM_ROWS + 3, -1, 6]])
+  grads = osa.sparse_grad(lambda m: jnp.sum(jnp.cos(m(ids))))(model)
+  grad = grads["embedding"].get_value()
+  left_out = np.asarray(grad.indices[:, 0]) == NUM_ROWS
+  assert left_out.sum() == 5
+  np.testing.assert_array_equal(np.asarray(grad.data)[left_out], 0.0)
+  osa.check_sparse_grads({"t": grad}, {"t": model.embedding[...]})  # raises if not
