@@ -14,6 +14,8 @@ cannot be lifted this way; `sparse_apply_if_finite` and `sparse_multi_steps`
 replace `optax.apply_if_finite` and `optax.MultiSteps` for BCOO gradients.
 """
 
+from __future__ import annotations
+
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 

@@ -16,6 +16,8 @@ holds) or a Linen `SparseTableBox` (what `LinenSparseEmbed` stores in
 `optax_sparse_adam.apply_updates` (scatter-add, never densified).
 """
 
+from __future__ import annotations
+
 import contextlib
 import threading
 from collections.abc import Callable, Sequence
@@ -66,14 +68,14 @@ class SparseTableBox(struct.PyTreeNode, meta.AxisMetadata):
   def unbox(self) -> Any:
     return self.value
 
-  def replace_boxed(self, val: Any) -> "SparseTableBox":
+  def replace_boxed(self, val: Any) -> SparseTableBox:
     return self.replace(value=val)
 
-  def add_axis(self, index: int, params: dict[Any, Any]) -> "SparseTableBox":
+  def add_axis(self, index: int, params: dict[Any, Any]) -> SparseTableBox:
     del index, params
     return self
 
-  def remove_axis(self, index: int, params: dict[Any, Any]) -> "SparseTableBox":
+  def remove_axis(self, index: int, params: dict[Any, Any]) -> SparseTableBox:
     del index, params
     return self
 
@@ -613,7 +615,7 @@ class SparseTrainState(train_state.TrainState):
   """
 
   @classmethod
-  def create(cls, *, apply_fn: Any, params: Any, tx: Any, **kwargs: Any) -> "SparseTrainState":
+  def create(cls, *, apply_fn: Any, params: Any, tx: Any, **kwargs: Any) -> SparseTrainState:
     """Like `TrainState.create`, with `step` an int32 array.
 
     `TrainState.create` starts `step` as the Python int 0, which makes a jitted
@@ -622,7 +624,7 @@ class SparseTrainState(train_state.TrainState):
     state = super().create(apply_fn=apply_fn, params=params, tx=tx, **kwargs)
     return state.replace(step=jnp.zeros([], jnp.int32))
 
-  def apply_gradients(self, *, grads: Any, **kwargs: Any) -> "SparseTrainState":
+  def apply_gradients(self, *, grads: Any, **kwargs: Any) -> SparseTrainState:
     """Returns the state after one optimizer step: `step + 1`, new params and opt_state.
 
     Args:

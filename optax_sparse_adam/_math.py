@@ -21,6 +21,8 @@ ops (`_cpu_kernel`): the same operations in the same order, which
 tests/test_cpu_kernels.py checks bit for bit against `adam_rows` here.
 """
 
+from __future__ import annotations
+
 import functools
 import math
 from typing import Any, NamedTuple
