@@ -19,8 +19,7 @@ from optax_sparse_adam._transform import SparseAdamState as SparseAdamState
 from optax_sparse_adam._transform import apply_updates as apply_updates
 from optax_sparse_adam._transform import sparse_adam as sparse_adam
 from optax_sparse_adam._transform import sparse_adamw as sparse_adamw
-
-__version__ = "0.1.0"
+from optax_sparse_adam._version import __version__ as __version__
 
 # The Flax glue is importable from the top level, but loaded on first use: flax
 # is an optional dependency and takes a second to import.
