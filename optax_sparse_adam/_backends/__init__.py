@@ -1,0 +1,1 @@
+"""How a step runs on each backend. Private."""

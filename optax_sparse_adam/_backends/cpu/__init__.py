@@ -1,0 +1,1 @@
+"""The CPU backend: the fused XLA FFI kernels and huge-page advice. Private."""
