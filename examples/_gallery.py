@@ -8,7 +8,7 @@
       run time: 6.9 s (where and how it was measured)
 
 The docs site's gallery (docs/hooks.py) and each example's check for its extras
-(`require_extras`) read this block, and tests/test_examples_gallery.py checks it
+(`require_extras`) read this block, and tests/docs/test_examples_gallery.py checks it
 against the script's imports, so the page and the script cannot disagree.
 """
 

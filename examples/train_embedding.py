@@ -10,6 +10,7 @@ rows), so a step reads and writes only the rows in the batch, never the tables.
 Gallery:
   title: Matrix factorisation in plain JAX and optax
   extras: none
+  optional extras: examples
   shows: two BCOO-gradient tables trained by sparse_adam in a jitted, donated step; loss curve
     and held-out RMSE
   run time: 6.9 s on the 2-core shared CPU VM of the project, under nice, 2026-11-23
