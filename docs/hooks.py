@@ -10,6 +10,7 @@ import pathlib
 
 _ROOT = pathlib.Path(__file__).resolve().parent.parent
 _MARKER = "<!-- gallery -->"
+_MAIN = "train_embedding"
 
 
 def _gallery_module():
@@ -23,7 +24,9 @@ def gallery_markdown() -> str:
   """The gallery's Markdown: one section per example."""
   gallery = _gallery_module()
   sections = []
-  for meta in gallery.all_examples(_ROOT / "examples"):
+  # The main example (the README's) first, then the others by file name.
+  metas = sorted(gallery.all_examples(_ROOT / "examples"), key=lambda m: m.name != _MAIN)
+  for meta in metas:
     extras = ", ".join(f"`{e}`" for e in meta.extras) or "none (the base install)"
     lines = [
       f"## {meta.title}",
