@@ -1,1 +1,1 @@
-"""The CPU backend: the fused XLA FFI kernels and huge-page advice. Private."""
+"""The CPU backend: fused XLA FFI kernels for the step and the apply, and huge pages."""
