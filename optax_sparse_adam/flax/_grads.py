@@ -5,6 +5,8 @@ are looked up with which ids shapes (`_tables._Tape`), then with a zero
 perturbation per lookup, whose cotangents are the rows' gradients.
 """
 
+from __future__ import annotations
+
 from collections.abc import Callable, Sequence
 from typing import Any
 

@@ -1,5 +1,7 @@
 """`LinenSparseEmbed`: a Linen embedding whose table gets BCOO gradients."""
 
+from __future__ import annotations
+
 from collections.abc import Callable
 from typing import Any
 

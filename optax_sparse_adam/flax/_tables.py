@@ -15,6 +15,8 @@ holds) or a Linen `SparseTableBox` (what `LinenSparseEmbed` stores in
 `params`).
 """
 
+from __future__ import annotations
+
 import contextlib
 import threading
 from collections.abc import Sequence
@@ -61,14 +63,14 @@ class SparseTableBox(struct.PyTreeNode, meta.AxisMetadata):
   def unbox(self) -> Any:
     return self.value
 
-  def replace_boxed(self, val: Any) -> "SparseTableBox":
+  def replace_boxed(self, val: Any) -> SparseTableBox:
     return self.replace(value=val)
 
-  def add_axis(self, index: int, params: dict[Any, Any]) -> "SparseTableBox":
+  def add_axis(self, index: int, params: dict[Any, Any]) -> SparseTableBox:
     del index, params
     return self
 
-  def remove_axis(self, index: int, params: dict[Any, Any]) -> "SparseTableBox":
+  def remove_axis(self, index: int, params: dict[Any, Any]) -> SparseTableBox:
     del index, params
     return self
 
