@@ -21,8 +21,20 @@ The bags come as 1-D ids with `offsets`, each batch with a different split of a
 fixed number of ids into a fixed number of bags (some empty): the JAX step
 compiles once, as the offsets are data and only their count is static.
 
-Run: python examples/dlrm_side_by_side.py  (needs flax and torch; --help for sizes)
+  python examples/dlrm_side_by_side.py
+  python examples/dlrm_side_by_side.py --dtype float32
+
+Gallery:
+  title: DLRM with EmbeddingBags, side by side with PyTorch
+  extras: flax, torch, examples
+  shows: SparseEmbedBag + sparse_adam against nn.EmbeddingBag(sparse=True) + torch.optim.SparseAdam
+    from the same weights and data: both loss curves and their largest difference
+  run time: 26 s on the 2-core shared CPU VM of the project, 2026-11-23
 """
+
+import _gallery  # the extras this example needs, read from the Gallery block above
+
+_gallery.require_extras(__doc__, __file__)
 
 import argparse
 import json
