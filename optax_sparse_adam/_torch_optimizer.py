@@ -4,9 +4,16 @@ Param groups, per-parameter state, `state_dict`/`load_state_dict` in torch's
 layout, `zero_grad` and the six kinds of hooks, with torch's order of checks and
 its error wording (often followed by details torch does not give). Subclasses
 implement `step` and `_load_param_state`.
+
+When torch is installed, `Optimizer` also derives from `torch.optim.Optimizer`,
+so that everything in torch that checks `isinstance(optimizer, Optimizer)` (the
+learning-rate schedulers, `SWALR`, ...) accepts it. Every method that such code
+calls is defined here; torch's `__init__` never runs and no torch tensor is made.
+Without torch the class stands alone and torch is never imported.
 """
 
 import functools
+import sys
 import warnings
 from collections import OrderedDict, defaultdict
 from collections.abc import Callable, Iterable
@@ -23,6 +30,15 @@ from optax_sparse_adam._torch_parameter import Parameter
 
 StateDict = dict[str, Any]
 
+_HOOK_DICTS = (
+  "_optimizer_step_pre_hooks",
+  "_optimizer_step_post_hooks",
+  "_optimizer_state_dict_pre_hooks",
+  "_optimizer_state_dict_post_hooks",
+  "_optimizer_load_state_dict_pre_hooks",
+  "_optimizer_load_state_dict_post_hooks",
+)
+
 
 def _typename(x: Any) -> str:
   cls = type(x)
@@ -30,17 +46,41 @@ def _typename(x: Any) -> str:
   return cls.__qualname__ if module == "builtins" else f"{module}.{cls.__qualname__}"
 
 
+def _torch_optimizer_bases() -> tuple[type, ...]:
+  """`(torch.optim.Optimizer,)` when torch is installed, else `()`."""
+  try:
+    from torch.optim import Optimizer as TorchOptimizer
+  except ImportError:
+    return ()
+  return (TorchOptimizer,)
+
+
+def _global_step_hooks() -> tuple[list[Callable], list[Callable]]:
+  """The hooks of torch's `register_optimizer_step_pre_hook`/`_post_hook`, if torch is loaded."""
+  torch_optimizer = sys.modules.get("torch.optim.optimizer")
+  if torch_optimizer is None:
+    return [], []
+  return (
+    list(torch_optimizer._global_optimizer_pre_hooks.values()),
+    list(torch_optimizer._global_optimizer_post_hooks.values()),
+  )
+
+
 def with_step_hooks(step: Callable) -> Callable:
   """Runs the step pre- and post-hooks around `step`, as torch's `profile_hook_step`.
 
-  As in torch, hooks receive `args` including the optimizer itself, and a
-  pre-hook may return `(new_args, new_kwargs)` to replace the call's arguments.
+  torch's order: the global pre-hooks (`torch.optim.optimizer.
+  register_optimizer_step_pre_hook`), this optimizer's pre-hooks, the step,
+  this optimizer's post-hooks, the global post-hooks. As in torch, hooks receive
+  `args` including the optimizer itself, and a pre-hook may return
+  `(new_args, new_kwargs)` to replace the call's arguments.
   """
 
   @functools.wraps(step)
   def wrapper(*args: Any, **kwargs: Any) -> Any:
     self = args[0]
-    for pre_hook in list(self._optimizer_step_pre_hooks.values()):
+    global_pre_hooks, global_post_hooks = _global_step_hooks()
+    for pre_hook in global_pre_hooks + list(self._optimizer_step_pre_hooks.values()):
       result = pre_hook(self, args, kwargs)
       if result is not None:
         if isinstance(result, tuple) and len(result) == 2:
@@ -50,15 +90,17 @@ def with_step_hooks(step: Callable) -> Callable:
             f"{step} must return None or a tuple of (new_args, new_kwargs), but got {result}."
           )
     out = step(*args, **kwargs)
-    for post_hook in list(self._optimizer_step_post_hooks.values()):
+    for post_hook in list(self._optimizer_step_post_hooks.values()) + global_post_hooks:
       post_hook(self, args, kwargs)
     return out
 
   return wrapper
 
 
-class Optimizer:
+class Optimizer(*_torch_optimizer_bases()):
   """Base class with `torch.optim.Optimizer`'s behaviour; see `SparseAdam`.
+
+  A `torch.optim.Optimizer` (by inheritance) when torch is installed.
 
   Attributes:
     defaults: the options a param group gets when it does not give them.
@@ -71,12 +113,8 @@ class Optimizer:
 
   def __init__(self, params: Any, defaults: dict[str, Any]) -> None:
     self.defaults = defaults
-    self._optimizer_step_pre_hooks: OrderedDict = OrderedDict()
-    self._optimizer_step_post_hooks: OrderedDict = OrderedDict()
-    self._optimizer_state_dict_pre_hooks: OrderedDict = OrderedDict()
-    self._optimizer_state_dict_post_hooks: OrderedDict = OrderedDict()
-    self._optimizer_load_state_dict_pre_hooks: OrderedDict = OrderedDict()
-    self._optimizer_load_state_dict_post_hooks: OrderedDict = OrderedDict()
+    for name in _HOOK_DICTS:
+      setattr(self, name, OrderedDict())
 
     if isinstance(params, Parameter) or hasattr(params, "__array__"):
       raise TypeError(
@@ -93,6 +131,17 @@ class Optimizer:
       param_groups = [{"params": param_groups}]
     for param_group in param_groups:
       self.add_param_group(param_group)
+
+  # Pickling and deepcopy, as torch: hooks (and a scheduler's patch of `step`) are not kept.
+
+  def __getstate__(self) -> dict[str, Any]:
+    return {"defaults": self.defaults, "state": self.state, "param_groups": self.param_groups}
+
+  def __setstate__(self, state: dict[str, Any]) -> None:
+    self.__dict__.update(state)
+    for name in _HOOK_DICTS:
+      self.__dict__.setdefault(name, OrderedDict())
+    self.defaults.setdefault("differentiable", False)
 
   def __repr__(self) -> str:
     text = self.__class__.__name__ + " ("

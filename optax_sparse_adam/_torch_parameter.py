@@ -70,6 +70,10 @@ class Parameter:
   def ndim(self) -> int:
     return self._data.ndim
 
+  def __deepcopy__(self, memo: dict[int, Any]) -> "Parameter":
+    # As `torch.nn.Parameter`: the data is copied, the gradient is not.
+    return Parameter(jnp.array(self._data, copy=True))
+
   def __array__(self, dtype: Any = None, copy: Any = None) -> Any:
     import numpy as np
 
