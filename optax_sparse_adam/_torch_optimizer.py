@@ -30,6 +30,9 @@ from optax_sparse_adam._torch_parameter import Parameter
 
 StateDict = dict[str, Any]
 
+# Appended to torch's wording where it says "Tensor".
+_TENSOR_HINT = " (here a Tensor is an optax_sparse_adam.torch_compat.Parameter)"
+
 _HOOK_DICTS = (
   "_optimizer_step_pre_hooks",
   "_optimizer_step_post_hooks",
@@ -116,10 +119,10 @@ class Optimizer(*_torch_optimizer_bases()):
     for name in _HOOK_DICTS:
       setattr(self, name, OrderedDict())
 
-    if isinstance(params, Parameter) or hasattr(params, "__array__"):
+    if isinstance(params, (Parameter, sparse.BCOO)) or hasattr(params, "__array__"):
       raise TypeError(
-        "params argument given to the optimizer should be an iterable of "
-        "Parameters or dicts, but got " + _typename(params)
+        "params argument given to the optimizer should be an iterable of Tensors or dicts, "
+        f"but got {_typename(params)}{_TENSOR_HINT}"
       )
     self.state: defaultdict[Parameter, dict[str, Any]] = defaultdict(dict)
     self.param_groups: list[dict[str, Any]] = []
@@ -165,9 +168,11 @@ class Optimizer(*_torch_optimizer_bases()):
     if not isinstance(param_group, dict):
       raise TypeError(f"param_group must be a dict, but got {type(param_group)}")
     if "params" not in param_group:
-      raise ValueError(
+      # torch fails on `param_group["params"]` with a KeyError; same type, clearer words.
+      raise KeyError(
+        "params",
         "param_group must have a 'params' entry holding its Parameters, but got "
-        f"keys {sorted(param_group)}"
+        f"keys {sorted(map(str, param_group))}",
       )
     params = param_group["params"]
     if isinstance(params, Parameter):
@@ -196,11 +201,11 @@ class Optimizer(*_torch_optimizer_bases()):
       names = extracted_names
 
     for param in extracted_params:
-      if not isinstance(param, Parameter):
+      # A BCOO passes, as a sparse torch tensor does: SparseAdam then names its index.
+      if not isinstance(param, (Parameter, sparse.BCOO)):
         raise TypeError(
-          "optimizer can only optimize Parameters, but one of the params is "
-          + _typename(param)
-          + " (wrap arrays as optax_sparse_adam.torch_compat.Parameter(array))"
+          f"optimizer can only optimize Tensors, but one of the params is {_typename(param)}"
+          f"{_TENSOR_HINT}; wrap arrays as optax_sparse_adam.torch_compat.Parameter(array)"
         )
 
     candidate = dict(param_group)
@@ -382,11 +387,9 @@ class Optimizer(*_torch_optimizer_bases()):
     state: defaultdict[Parameter, dict[str, Any]] = defaultdict(dict)
     for k, v in saved_state.items():
       if k not in id_map:
-        raise ValueError(
-          f"loaded state dict has state for parameter id {k!r}, which none of its "
-          f"param groups lists (their ids: {sorted(id_map, key=str)}); it does not "
-          "belong to this optimizer's parameters"
-        )
+        # Not a parameter's id (e.g. what a state_dict hook added): kept as is, as torch does.
+        state[k] = v
+        continue
       gi, pi = where[k]
       state[id_map[k]] = self._load_param_state(
         id_map[k], v, f"parameter {k!r} (param_groups[{gi}]['params'][{pi}])"

@@ -42,9 +42,10 @@ class Parameter:
     if isinstance(value, Parameter):
       value = value.data
     if isinstance(value, sparse.BCOO):
-      raise TypeError(
+      # torch's SparseAdam raises ValueError for a sparse parameter; same type here.
+      raise ValueError(
         "Parameter data must be a dense array, but got a BCOO: SparseAdam requires "
-        "dense parameters (its gradients are the sparse ones)."
+        "dense parameter tensors (its gradients are the sparse ones)."
       )
     if _torch_convert.is_torch_tensor(value):
       value = _torch_convert.to_numpy(value)

@@ -44,18 +44,22 @@ _DENSE_GRAD = "SparseAdam does not support dense gradients, please consider Adam
 _STATE_KEYS = ("step", "exp_avg", "exp_avg_sq")
 
 
-def _complex_params(groups: list[dict[str, Any]], first_index: int = 0) -> list[list[int]]:
-  return [
-    [gi + first_index, pi]
-    for gi, pi, p in iter_params(groups)
-    if np.issubdtype(np.dtype(p.dtype), np.complexfloating)
-  ]
-
-
-def _complex_error(indices: list[list[int]]) -> ValueError:
-  return ValueError(
-    f"Complex params at indices {indices}: SparseAdam does not support complex parameters"
-  )
+def _check_dense_real_params(groups: list[dict[str, Any]], first_index: int = 0) -> None:
+  """torch's SparseAdam checks, wording and order: sparse params, then complex ones."""
+  sparse_params, complex_params = [], []
+  for gi, pi, p in iter_params(groups):
+    if isinstance(p, sparse.BCOO):
+      sparse_params.append([gi + first_index, pi])
+    if np.issubdtype(np.dtype(p.dtype), np.complexfloating):
+      complex_params.append([gi + first_index, pi])
+  if sparse_params:
+    raise ValueError(
+      f"Sparse params at indices {sparse_params}: SparseAdam requires dense parameter tensors"
+    )
+  if complex_params:
+    raise ValueError(
+      f"Complex params at indices {complex_params}: SparseAdam does not support complex parameters"
+    )
 
 
 def _as_step(value: Any, where: str) -> int:
@@ -169,8 +173,10 @@ class SparseAdam(Optimizer):
     self._initialized = False
     if _torch_convert.is_array(lr) and _torch_convert.to_numpy(lr).size != 1:
       raise ValueError("Tensor lr must be 1-element")
-    if not 0.0 < _torch_step.lr_value(lr):
+    # torch's comparison first (its errors for a bad lr, e.g. a string), then ours.
+    if not 0.0 < (_torch_step.lr_value(lr) if _torch_convert.is_array(lr) else lr):
       raise ValueError(f"Invalid learning rate: {lr}")
+    _torch_step.lr_value(lr)
     if not 0.0 < eps:
       raise ValueError(f"Invalid epsilon value: {eps}")
     if not 0.0 <= betas[0] < 1.0:
@@ -179,18 +185,15 @@ class SparseAdam(Optimizer):
       raise ValueError(f"Invalid beta parameter at index 1: {betas[1]}")
     defaults = {"lr": lr, "betas": betas, "eps": eps, "maximize": maximize}
     super().__init__(params, defaults)
-    complex_params = _complex_params(self.param_groups)
-    if complex_params:
-      raise _complex_error(complex_params)
+    _check_dense_real_params(self.param_groups)
     self._initialized = True
 
   def _check_param_group(self, param_group: dict[str, Any], index: int) -> None:
     if _torch_convert.is_array(param_group["lr"]):
       _torch_step.lr_value(param_group["lr"], f"param group {index}'s lr")
     if self._initialized:
-      complex_params = _complex_params([param_group], first_index=index)
-      if complex_params:
-        raise _complex_error(complex_params)
+      # torch checks only in the constructor and fails later; here before the group is added.
+      _check_dense_real_params([param_group], first_index=index)
 
   def _check_loaded_group(self, group: dict[str, Any], where: str) -> None:
     _torch_step.group_hyperparams(group, where)
