@@ -1,10 +1,13 @@
 """The torch adapter's step: every parameter with a gradient updated in one compiled call.
 
 Hyper-parameters reach the compiled function as arrays, never as constants, so
-editing `lr`, `betas`, `eps` or `maximize` between steps does not recompile.
-The scalars are computed on the host in float64 as torch computes them (the
-step size with `_math.torch_step_size`) and rounded once to the compute dtype,
-which is what torch does when it multiplies a float32 tensor by a Python float.
+editing `lr`, `betas` or `eps` between steps does not recompile. `maximize` is
+compiled in, as in the optax path: the gradient is then negated by the fused
+kernels (or after coalescing), not by a pass over every gradient entry; a group
+flipping it compiles once per setting. The scalars are computed on the host in
+float64 as torch computes them (the step size with `_math.torch_step_size`) and
+rounded once to the compute dtype, which is what torch does when it multiplies
+a float32 tensor by a Python float.
 """
 
 import functools
@@ -20,7 +23,7 @@ from jax.experimental import sparse
 from optax_sparse_adam import _bcoo, _math, _torch_convert
 
 # Positions in the per-parameter scalar vector.
-_STEP_SIZE, _ONE_MINUS_B1, _ONE_MINUS_B2, _EPS, _SIGN, _LR, _LOG_B1, _LOG_B2 = range(8)
+_STEP_SIZE, _ONE_MINUS_B1, _ONE_MINUS_B2, _EPS, _LR, _LOG_B1, _LOG_B2 = range(7)
 
 
 class GroupHyperparams(NamedTuple):
@@ -109,16 +112,16 @@ def host_scalars(hyper: GroupHyperparams, step: int, compute_dtype: Any) -> np.n
   def log(b: float) -> float:
     return math.log(b) if b > 0 else -math.inf
 
-  values = [0.0] * 8
+  values = [0.0] * 7
   values[_STEP_SIZE] = step_size(hyper.lr, hyper.b1, hyper.b2, step)
   values[_ONE_MINUS_B1] = 1.0 - hyper.b1
   values[_ONE_MINUS_B2] = 1.0 - hyper.b2
   values[_EPS] = hyper.eps
-  values[_SIGN] = -1.0 if hyper.maximize else 1.0
   values[_LR] = hyper.lr
   values[_LOG_B1] = log(hyper.b1)
   values[_LOG_B2] = log(hyper.b2)
-  return np.array([np.asarray(v).astype(compute_dtype) for v in values], dtype=compute_dtype)
+  # float64 holds every value exactly (a float32 tensor lr too): one rounding each.
+  return np.array([float(v) for v in values], np.float64).astype(compute_dtype)
 
 
 def compute_dtype(param: Any, grad: sparse.BCOO) -> Any:
@@ -126,17 +129,7 @@ def compute_dtype(param: Any, grad: sparse.BCOO) -> Any:
   return np.dtype(jnp.result_type(jnp.float32, grad.dtype, param.dtype))
 
 
-def _signed(grad: sparse.BCOO, sign: jax.Array) -> sparse.BCOO:
-  # Negating before coalescing equals torch's `-grad` exactly: rounding is symmetric.
-  return sparse.BCOO(
-    (grad.data * sign.astype(grad.dtype), grad.indices),
-    shape=grad.shape,
-    indices_sorted=grad.indices_sorted,
-    unique_indices=grad.unique_indices,
-  )
-
-
-@functools.partial(jax.jit, donate_argnums=(0, 1, 2))
+@functools.partial(jax.jit, donate_argnums=(0, 1, 2), static_argnames=("maximize",))
 def fused_step(
   params: Sequence[jax.Array],
   exp_avgs: Sequence[jax.Array],
@@ -144,15 +137,20 @@ def fused_step(
   grads: Sequence[sparse.BCOO],
   scalars: Sequence[jax.Array],
   opaque_zero: jax.Array,
+  *,
+  maximize: tuple[bool, ...],
 ) -> tuple[list[jax.Array], list[jax.Array], list[jax.Array]]:
   """One SparseAdam step of every listed parameter; params and moments are donated.
 
-  `opaque_zero` is an int32 zero given at run time, so that the core rounds
-  every product as torch does (no FMA contraction): bit-exact float32.
+  `scalars[i]` is parameter i's vector from `host_scalars`; `maximize[i]` its
+  group's flag. `opaque_zero` is an int32 zero given at run time, so that the
+  core rounds every product as torch does (no FMA contraction): bit-exact float32.
+  Negating after coalescing equals torch's `-grad` before it exactly: rounding
+  is symmetric.
   """
   new_params, new_exp_avgs, new_exp_avg_sqs = [], [], []
-  for param, exp_avg, exp_avg_sq, grad, s in zip(
-    params, exp_avgs, exp_avg_sqs, grads, scalars, strict=True
+  for param, exp_avg, exp_avg_sq, grad, s, sign_flip in zip(
+    params, exp_avgs, exp_avg_sqs, grads, scalars, maximize, strict=True
   ):
     coeffs = _math.AdamCoefficients(
       learning_rate=s[_LR],
@@ -165,10 +163,11 @@ def fused_step(
       weight_decay=0.0,
     )
     update, leaf = _math.sparse_adam_leaf_step(
-      _signed(grad, s[_SIGN]),
+      grad,
       _math.LeafState(jnp.zeros([], jnp.int32), exp_avg, exp_avg_sq),
       None,
       coeffs,
+      maximize=sign_flip,
       step_size=s[_STEP_SIZE],
       opaque_zero=opaque_zero,
     )

@@ -12,8 +12,10 @@ It has the behaviour of `torch.optim.SparseAdam` and `torch.optim.Optimizer`:
 param groups, `state_dict`/`load_state_dict` in torch's layout (checkpoints move
 both ways between torch and JAX), hooks, `zero_grad`, and bit-for-bit torch's
 float32 numerics. The arithmetic is the library's one implementation
-(`_math.sparse_adam_leaf_step`); torch is never imported unless a torch tensor
-or checkpoint is handed in.
+(`_math.sparse_adam_leaf_step`). torch is optional: where it is installed, it is
+imported with this module and `SparseAdam` is also a `torch.optim.Optimizer`
+(so torch's lr schedulers accept it); where it is not, everything but the torch
+checkpoint functions works without it.
 """
 
 from typing import Any
@@ -42,6 +44,8 @@ __all__ = (
 
 _DENSE_GRAD = "SparseAdam does not support dense gradients, please consider Adam instead"
 _STATE_KEYS = ("step", "exp_avg", "exp_avg_sq")
+# A run-time int32 zero for the step (see `_torch_step.fused_step`), made once.
+_OPAQUE_ZERO = np.zeros((), np.int32)
 
 
 def _check_dense_real_params(groups: list[dict[str, Any]], first_index: int = 0) -> None:
@@ -131,9 +135,14 @@ class SparseAdam(Optimizer):
   as torch does, so float32 results match torch bit for bit.
 
   One `step()` updates every parameter that has a gradient in one compiled
-  call, donating the parameters' and moments' buffers. Hyper-parameters enter
-  as arrays: editing `param_groups` between steps does not recompile; a new
-  set of gradient shapes (or of parameters with gradients) does.
+  call, donating the parameters' and moments' buffers. `lr`, `betas` and `eps`
+  enter as arrays: editing them between steps (as torch's lr schedulers do)
+  does not recompile; a new set of gradient shapes (or of parameters with
+  gradients) does, and so does a new `maximize` setting, once.
+
+  When torch is installed, this is a `torch.optim.Optimizer`: torch's
+  learning-rate schedulers (`torch.optim.lr_scheduler`) drive it as they drive
+  torch's SparseAdam, and torch's global step hooks run around its steps.
 
   Args:
     params: an iterable of `Parameter`s, of `(name, Parameter)` pairs, or of
@@ -280,7 +289,13 @@ class SparseAdam(Optimizer):
           arrays[i] = jnp.copy(array)
         donated.add(id(arrays[i]))
     new_params, new_exp_avgs, new_exp_avg_sqs = _torch_step.fused_step(
-      params, exp_avgs, exp_avg_sqs, grads, scalars, np.zeros((), np.int32)
+      params,
+      exp_avgs,
+      exp_avg_sqs,
+      grads,
+      scalars,
+      _OPAQUE_ZERO,
+      maximize=tuple(hyper.maximize for _, _, hyper in todo),
     )
     for (p, _, _), data, exp_avg, exp_avg_sq, step in zip(
       todo, new_params, new_exp_avgs, new_exp_avg_sqs, steps, strict=True
