@@ -1,5 +1,6 @@
 """`Parameter`: a mutable holder of a jax.Array, in the role of `torch.nn.Parameter`."""
 
+import functools
 from typing import Any
 
 import jax
@@ -7,6 +8,12 @@ import jax.numpy as jnp
 from jax.experimental import sparse
 
 from optax_sparse_adam import _torch_convert
+
+
+@functools.cache
+def _optimizable(dtype: Any) -> bool:
+  # Cached: every step rebinds `data`, and the dtype checks cost more than the rebinding.
+  return bool(jnp.issubdtype(dtype, jnp.floating) or jnp.issubdtype(dtype, jnp.complexfloating))
 
 
 class Parameter:
@@ -49,10 +56,9 @@ class Parameter:
       )
     if _torch_convert.is_torch_tensor(value):
       value = _torch_convert.to_numpy(value)
-    value = jnp.asarray(value)
-    if not (
-      jnp.issubdtype(value.dtype, jnp.floating) or jnp.issubdtype(value.dtype, jnp.complexfloating)
-    ):
+    if not isinstance(value, jax.Array):
+      value = jnp.asarray(value)
+    if not _optimizable(value.dtype):
       raise TypeError(
         f"Parameter data must have a floating point (or complex) dtype, but got "
         f"{value.dtype}: only those can be optimized."

@@ -126,7 +126,13 @@ def host_scalars(hyper: GroupHyperparams, step: int, compute_dtype: Any) -> np.n
 
 def compute_dtype(param: Any, grad: sparse.BCOO) -> Any:
   """The dtype `_math.sparse_adam_leaf_step` computes in, for moments in the param's dtype."""
-  return np.dtype(jnp.result_type(jnp.float32, grad.dtype, param.dtype))
+  return _compute_dtype(np.dtype(grad.dtype), np.dtype(param.dtype))
+
+
+@functools.cache
+def _compute_dtype(grad_dtype: np.dtype, param_dtype: np.dtype) -> np.dtype:
+  # Cached: jnp.result_type costs more than the rest of a small step's host work.
+  return np.dtype(jnp.result_type(jnp.float32, grad_dtype, param_dtype))
 
 
 @functools.partial(jax.jit, donate_argnums=(0, 1, 2), static_argnames=("maximize",))
