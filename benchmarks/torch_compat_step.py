@@ -14,7 +14,7 @@ median over rounds of each round's ratio): the adapter's overhead over the plain
 optax path. On a shared machine only ratios
 measured in one run mean anything.
 
-Run: python benchmarks/torch_compat_step.py [--params 1 --rows 1797 --dim 128 --nse 28000]
+Run: python -m benchmarks.torch_compat_step [--params 1 --rows 1797 --dim 128 --nse 28000]
 """
 
 import argparse
@@ -26,10 +26,9 @@ import numpy as np
 from jax.experimental import sparse
 
 import optax_sparse_adam as osa
-from optax_sparse_adam import _torch_step
-from optax_sparse_adam.torch_compat import Parameter, SparseAdam
+from optax_sparse_adam.torch_compat import Parameter, SparseAdam, _step
 
-_FUSED = _torch_step.fused_step
+_FUSED = _step.fused_step
 
 
 def _one_call_per_param(params, exp_avgs, exp_avg_sqs, grads, scalars, zero, *, maximize):
@@ -68,14 +67,14 @@ def _adapter_runner(args, shape, init, grads, step_fn):
   opt = SparseAdam(params, lr=1e-3)
 
   def run():
-    _torch_step.fused_step = step_fn
+    _step.fused_step = step_fn
     try:
       for step_grads in grads:
         for p, g in zip(params, step_grads, strict=True):
           p.grad = g
         opt.step()
     finally:
-      _torch_step.fused_step = _FUSED
+      _step.fused_step = _FUSED
     jax.block_until_ready([p.data for p in params])
 
   return run
