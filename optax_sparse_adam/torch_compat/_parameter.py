@@ -81,6 +81,10 @@ class Parameter:
     # As `torch.nn.Parameter`: the data is copied, the gradient is not.
     return Parameter(jnp.array(self._data, copy=True))
 
+  def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+    # Pickled as `torch.nn.Parameter` is: the data, not the gradient.
+    return (Parameter, (self._data,))
+
   def __array__(self, dtype: Any = None, copy: Any = None) -> Any:
     import numpy as np
 

@@ -6,6 +6,7 @@ constructor and `add_param_group` error.
 """
 
 import copy
+import pickle
 
 import jax.numpy as jnp
 import numpy as np
@@ -177,6 +178,31 @@ def test_deepcopy_as_torch():
   np.testing.assert_allclose(
     np.asarray(copied_param.data), t_copied.detach().numpy(), rtol=1e-6, atol=1e-7
   )
+
+
+def test_pickle_round_trip_as_torch():
+  t_param, j_param = _pair()
+  t_grad, j_grad = _grads()
+  t_opt, j_opt = torch.optim.SparseAdam([t_param], lr=0.1), SparseAdam([j_param], lr=0.1)
+  reports = []
+  for opt, param, grad in ((t_opt, t_param, t_grad), (j_opt, j_param, j_grad)):
+    param.grad = grad
+    opt.step()
+    opt.register_step_pre_hook(lambda *a: None)
+    loaded = pickle.loads(pickle.dumps(opt))
+    new_param = loaded.param_groups[0]["params"][0]
+    reports.append(
+      (
+        new_param.grad is None,
+        len(loaded._optimizer_step_pre_hooks),
+        loaded.defaults,
+        loaded.state[new_param]["step"],
+      )
+    )
+    new_param.grad = grad
+    loaded.step()
+    reports[-1] += (loaded.state[new_param]["step"],)
+  assert reports[1] == reports[0]
 
 
 # Errors: the same type as torch's and torch's words first.
