@@ -24,7 +24,8 @@ def write_atomically(path: str | os.PathLike, write: Callable[[BinaryIO], None])
     path: the file to write.
     write: writes the whole content to the binary file it is given.
   """
-  target = os.path.abspath(os.fspath(path))
+  # A symlink stays a symlink: the file it points to is what gets replaced.
+  target = os.path.realpath(os.fspath(path))
   directory, name = os.path.split(target)
   temporary = os.path.join(directory, f".{name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
   fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)

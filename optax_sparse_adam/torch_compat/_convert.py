@@ -81,7 +81,7 @@ def state_dict_to_torch(state_dict: Mapping[str, Any]) -> dict[str, Any]:
   return convert(state_dict)
 
 
-def save_torch_checkpoint(state_dict: Mapping[str, Any], path: str | os.PathLike) -> None:
+def save_torch_checkpoint(state_dict: Mapping[str, Any], path: str | os.PathLike | Any) -> None:
   """Writes a state dict with `torch.save`, arrays as torch tensors, for `torch.load`.
 
   Crash-safe: the checkpoint is written to a temporary file in the same
@@ -90,11 +90,15 @@ def save_torch_checkpoint(state_dict: Mapping[str, Any], path: str | os.PathLike
 
   Args:
     state_dict: a dict from `SparseAdam.state_dict()` (or any nesting of them).
-    path: the file to write.
+    path: the file to write; a binary file object (e.g. `io.BytesIO`) is
+      written to directly, as `torch.save` does, with no crash safety.
   """
   import torch
 
   tensors = state_dict_to_torch(state_dict)
+  if hasattr(path, "write"):
+    torch.save(tensors, path)
+    return
   _atomic_file.write_atomically(path, lambda file: torch.save(tensors, file))
 
 

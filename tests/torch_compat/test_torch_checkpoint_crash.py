@@ -6,6 +6,7 @@ training resumed from it equals an uninterrupted run bit for bit.
 """
 
 import glob
+import io
 import os
 import signal
 import subprocess
@@ -158,3 +159,24 @@ def test_a_failed_save_leaves_the_previous_file_and_no_temporary(tmp_path):
     save_torch_checkpoint({"state": {0: {"bad": lambda: None}}, "param_groups": []}, path)
   assert path.read_bytes() == before
   assert sorted(os.listdir(tmp_path)) == ["ckpt.pt"]
+
+
+def test_save_through_a_symlink_replaces_its_target_and_keeps_the_link(tmp_path):
+  target, link = tmp_path / "real.pt", tmp_path / "latest.pt"
+  param, opt = _fresh()
+  _train(param, opt, range(1))
+  save_torch_checkpoint(opt.state_dict(), target)
+  link.symlink_to(target)
+  _train(param, opt, range(1, 2))
+  save_torch_checkpoint(opt.state_dict(), link)
+  assert link.is_symlink()
+  assert load_torch_checkpoint(target)["state"][0]["step"] == 2
+
+
+def test_save_to_a_file_object_as_torch_save(tmp_path):
+  param, opt = _fresh()
+  _train(param, opt, range(1))
+  buffer = io.BytesIO()
+  save_torch_checkpoint(opt.state_dict(), buffer)
+  buffer.seek(0)
+  assert torch.load(buffer, weights_only=True)["state"][0]["step"] == 1
