@@ -86,6 +86,28 @@ def _as_moment(value: Any, param: Parameter, key: str, where: str) -> Any:
   return jax.device_put(array, param.data.sharding)
 
 
+# Gradient layouts (shapes and dtypes) that passed `bcoo.row_layout`: a step with the same
+# layout as an earlier one skips the checks, which cost more than a small step's dispatch.
+_CHECKED_LAYOUTS: set[tuple] = set()
+
+
+def _check_layout(grad: sparse.BCOO, param_shape: tuple[int, ...], path: tuple) -> None:
+  key = (
+    grad.shape,
+    grad.indices.shape,
+    grad.indices.dtype,
+    grad.data.shape,
+    grad.data.dtype,
+    param_shape,
+  )
+  if key in _CHECKED_LAYOUTS:
+    return
+  bcoo.row_layout(grad, param_shape, path)
+  if len(_CHECKED_LAYOUTS) > 4096:
+    _CHECKED_LAYOUTS.clear()
+  _CHECKED_LAYOUTS.add(key)
+
+
 class SparseAdam(Optimizer):
   r"""`torch.optim.SparseAdam` for `Parameter`s holding JAX arrays and BCOO gradients.
 
@@ -231,7 +253,7 @@ class SparseAdam(Optimizer):
             f"{_DENSE_GRAD} ({path[0]} has a dense gradient of type "
             f"{type(grad).__name__}{'' if shape is None else f' with shape {tuple(shape)}'})"
           )
-        bcoo.row_layout(grad, p.shape, path)
+        _check_layout(grad, p.shape, path)
         if hyper is None:
           hyper = _step.group_hyperparams(group, where)
         todo.append((p, grad, hyper))

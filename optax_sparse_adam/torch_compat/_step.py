@@ -42,6 +42,8 @@ class GroupHyperparams(NamedTuple):
 
 
 def _number(value: Any, what: str) -> float:
+  if type(value) is float or type(value) is int:
+    return float(value)  # the usual case, every step: no array checks
   if isinstance(value, bool) or value is None or isinstance(value, (str, bytes)):
     raise TypeError(f"{what} must be a number, but got {value!r}")
   if _convert.is_array(value):
@@ -57,6 +59,8 @@ def _number(value: Any, what: str) -> float:
 
 def lr_value(lr: Any, what: str = "lr") -> float | np.ndarray:
   """A Python float, or a 0-d floating NumPy array for a 1-element array lr."""
+  if type(lr) is float:
+    return lr
   if _convert.is_array(lr):
     host = _convert.to_numpy(lr)
     if host.size != 1:
@@ -73,7 +77,7 @@ def group_hyperparams(group: dict, where: str) -> GroupHyperparams:
     if key not in group:
       raise ValueError(f"{where} has no {key!r} option; SparseAdam needs lr, betas and eps.")
   betas = group["betas"]
-  if _convert.is_array(betas):
+  if type(betas) is not tuple and _convert.is_array(betas):
     betas = list(_convert.to_numpy(betas).reshape(-1))
   try:
     b1, b2 = betas
@@ -82,7 +86,7 @@ def group_hyperparams(group: dict, where: str) -> GroupHyperparams:
       f"{where}['betas'] must be a pair (beta1, beta2), but got {group['betas']!r}"
     ) from err
   maximize = group.get("maximize", False)
-  if _convert.is_array(maximize):
+  if type(maximize) is not bool and _convert.is_array(maximize):
     maximize = bool(_convert.to_numpy(maximize).reshape(()))
   return GroupHyperparams(
     lr=lr_value(group["lr"], f"{where}['lr']"),
