@@ -94,6 +94,13 @@ class _Tape:
     self.index_of = {id(table): i for i, table in enumerate(tables)}
     self.perturbations = perturbations
     self.ids: list[list[jax.Array]] = [[] for _ in tables]
+    self.replacements: list[jax.Array] = []  # keeps replaced tables alive, so ids stay unique
+
+  def replace(self, old: jax.Array, new: jax.Array) -> None:
+    i = self.index_of.get(id(old))
+    if i is not None:
+      self.index_of[id(new)] = i
+      self.replacements.append(new)
 
   def lookup(self, table: jax.Array, ids: jax.Array) -> jax.Array | None:
     i = self.index_of.get(id(table))
@@ -132,6 +139,13 @@ def _recording(tape: _Tape):
     yield tape
   finally:
     stack.pop()
+
+
+def replace_table(old: jax.Array, new: jax.Array) -> None:
+  """Records that `new` (a renormalised `old`) is the same table for the lookups that follow."""
+  tape = _active_tape()
+  if tape is not None:
+    tape.replace(old, new)
 
 
 def _gather(table: jax.Array, ids: jax.Array) -> jax.Array:
