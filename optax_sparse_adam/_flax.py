@@ -29,10 +29,12 @@ from flax import nnx, struct
 from flax.core import meta
 from flax.training import train_state
 from jax import lax
+from jax.custom_derivatives import SymbolicZero
 from jax.experimental import sparse
+from jax.extend import core as jax_core
 
 from optax_sparse_adam import _transform
-from optax_sparse_adam._errors import describe
+from optax_sparse_adam._errors import describe, path_str
 
 _default_embed_init = jax.nn.initializers.variance_scaling(
   1.0, "fan_in", "normal", in_axis=-1, out_axis=0
@@ -90,37 +92,127 @@ def _is_variable(x: Any) -> bool:
 # Lookups and the tape that records them.
 
 
-class _Tape:
-  """The lookups of one traced call: which table, which ids, and the rows' perturbations.
+def _trace_state() -> Any:
+  return jax_core.get_opaque_trace_state(convention="optax_sparse_adam")
 
-  Tables are recognised by the identity of their array, which `nnx.merge` and
-  Linen's `apply` pass through unchanged. With `perturbations=None` the tape
-  only records (the shape pass); otherwise the k-th lookup of table i returns
-  `rows + perturbations[i][k]`.
+
+def _bwd_probe(on_cotangent: Callable[[], None]) -> Callable[[jax.Array], jax.Array]:
+  """The identity, whose backward rule calls `on_cotangent` when a cotangent reaches it.
+
+  JAX skips a custom VJP rule whose output cotangent is a symbolic zero: the
+  output was unused, or reached the loss only through `lax.stop_gradient`. So a
+  call of `on_cotangent` (at trace time under `jit`) means the value is
+  differentiably used, which is what decides whether a lookup is a gradient
+  entry (torch leaves `.detach()`ed and unused lookups out of the gradient).
   """
 
-  def __init__(self, tables: Sequence[jax.Array], perturbations: Any = None):
-    self.index_of = {id(table): i for i, table in enumerate(tables)}
+  @jax.custom_vjp
+  def probe(x):
+    return x
+
+  def fwd(x):
+    return x.value, None
+
+  def bwd(_, cotangent):
+    if isinstance(cotangent, SymbolicZero):
+      return (None,)
+    on_cotangent()
+    return (cotangent,)
+
+  probe.defvjp(fwd, bwd, symbolic_zeros=True)
+  return probe
+
+
+class _Tape:
+  """The lookups of one traced call: which table, which ids, which are differentiably used.
+
+  Tables are recognised by the identity of their array, which `nnx.merge` and
+  Linen's `apply` pass through unchanged. In the recording pass
+  (`perturbations=None`, run abstractly under `jax.value_and_grad`) each table
+  is handed to the model behind a probe that notes a dense use (the table read
+  other than by a lookup, e.g. a tied projection `h @ table.T`), and each
+  lookup's rows go through a probe that notes whether they reach the loss.
+  In the differentiating pass, the k-th lookup of table i returns
+  `rows + perturbations[i][k]` if it was found live, else the rows as constants.
+  """
+
+  def __init__(
+    self,
+    tables: Sequence[jax.Array],
+    names: Sequence[str],
+    perturbations: Any = None,
+    live: Any = None,
+  ):
+    self.names = list(names)
+    self.recording = perturbations is None
     self.perturbations = perturbations
+    self.raw = list(tables)
     self.ids: list[list[jax.Array]] = [[] for _ in tables]
+    self.live: list[list[bool]] = [[] for _ in tables] if live is None else live
+    self.dense_use = [False] * len(tables)
+    self.trace_state = _trace_state()
+    if self.recording:
+      self.views = [
+        _bwd_probe(lambda i=i: self.dense_use.__setitem__(i, True))(t) for i, t in enumerate(tables)
+      ]
+    else:
+      self.views = list(tables)
+    self.index_of = {id(view): i for i, view in enumerate(self.views)}
+
+  def name_of_unknown(self, array: jax.Array) -> str:
+    """Best guess of a table's path from its shape, for a table seen through a transform."""
+    shape, dtype = jnp.shape(array), jnp.result_type(array)
+    matches = [
+      n for n, t in zip(self.names, self.raw, strict=True) if t.shape == shape and t.dtype == dtype
+    ]
+    if len(matches) == 1:
+      return f"the table at {matches[0]}"
+    return f"a table of shape {tuple(shape)} ({describe(array)})"
 
   def lookup(self, table: jax.Array, ids: jax.Array) -> jax.Array | None:
     i = self.index_of.get(id(table))
     if i is None:
       return None
+    if _trace_state() != self.trace_state:
+      _raise_nested(f"the table at {self.names[i]}")
     k = len(self.ids[i])
     self.ids[i].append(ids)
+    if self.recording:
+      # Gathered from the raw table, so the dense-use probe sees only other uses.
+      self.live[i].append(False)
+      rows = _gather(self.raw[i], ids)
+      return _bwd_probe(lambda: self.live[i].__setitem__(k, True))(rows)
     rows = _gather(lax.stop_gradient(table), ids)
-    if self.perturbations is None:
-      return rows
-    perturbation = self.perturbations[i][k]
-    if perturbation.shape != rows.shape:
+    if k >= len(self.live[i]):
       raise ValueError(
-        f"Lookup {k} of sparse table {i} gathered rows of shape {rows.shape}, but "
-        f"the shape pass recorded {perturbation.shape}: the loss function must "
+        f"Sparse table at {self.names[i]} was looked up {k + 1} times, but "
+        f"{len(self.live[i])} times in the recording pass: the loss function must "
         "look tables up in the same order with the same shapes on every trace."
       )
+    perturbation = self.perturbations[i][k]
+    if perturbation is None:
+      return rows
+    if perturbation.shape != rows.shape:
+      raise ValueError(
+        f"Lookup {k} of the sparse table at {self.names[i]} gathered rows of shape "
+        f"{rows.shape}, but the recording pass found {perturbation.shape}: the loss "
+        "function must look tables up in the same order with the same shapes on "
+        "every trace."
+      )
     return rows + perturbation
+
+
+def _raise_nested(what: str) -> None:
+  raise ValueError(
+    f"embedding_lookup: {what} was looked up inside a nested transform within "
+    "sparse_value_and_grad (jax.vmap, lax.scan, lax.cond, jax.checkpoint, jax.jit; "
+    "nnx.vmap/nnx.scan/nnx.remat/nnx.jit/nnx.cond; nn.vmap/nn.scan/nn.remat/nn.jit), "
+    "where its BCOO gradient cannot be recorded. Look the table up in the "
+    "differentiated function itself and pass the rows into the transformed part "
+    "(e.g. gather every time step's ids at once before a scan, and remat only the "
+    "blocks after the embedding), or keep this table dense (nnx.Param / nn.Embed "
+    "with a dense optimizer such as optax.adam)."
+  )
 
 
 _local = threading.local()
@@ -155,7 +247,9 @@ def embedding_lookup(table: Any, ids: Any) -> jax.Array:
 
   Ids outside `[0, num_embeddings)`, negative ones included, are padding: they
   read zero rows and get no gradient. Outside `sparse_value_and_grad` this is an
-  ordinary gather (and `jax.grad` gives the usual dense gradient).
+  ordinary gather (and `jax.grad` gives the usual dense gradient). Under
+  `sparse_value_and_grad`, a lookup whose rows do not reach the loss (unused, or
+  only through `lax.stop_gradient`) adds no entries, like torch's `.detach()`.
 
   Args:
     table: a `(num_embeddings, features)` array, or an NNX `SparseTable`.
@@ -164,6 +258,11 @@ def embedding_lookup(table: Any, ids: Any) -> jax.Array:
   Returns:
     The rows, of shape `ids.shape + (features,)`.
   """
+  return _lookup(table, ids, owner=None)
+
+
+def _lookup(table: Any, ids: Any, *, owner: Any) -> jax.Array:
+  """`embedding_lookup`; `owner` is the Linen module whose table `table` is, if any."""
   is_variable = _is_variable(table)
   array = table.get_value() if is_variable else table
   ids = jnp.asarray(ids)
@@ -181,13 +280,28 @@ def embedding_lookup(table: Any, ids: Any) -> jax.Array:
     rows = tape.lookup(array, ids)
     if rows is not None:
       return rows
-    if is_variable and isinstance(table, SparseTable):
+    is_table = (is_variable and isinstance(table, SparseTable)) or owner is not None
+    if is_table and _trace_state() != tape.trace_state:
+      _raise_nested(
+        tape.name_of_unknown(array)
+        if owner is None
+        else f"the table of the LinenSparseEmbed at {'/'.join(owner.path) or '<root>'}"
+      )
+    if is_table:
+      what = (
+        tape.name_of_unknown(array)
+        if owner is None
+        else f"the table of the LinenSparseEmbed at {'/'.join(owner.path) or '<root>'}"
+      )
       raise ValueError(
-        "embedding_lookup: a SparseTable was looked up inside sparse_value_and_grad "
-        "but is not part of the differentiated model (or it was looked up inside a "
-        "nested transform such as nnx.remat or jax.vmap, which hides it). Pass the "
-        "module that owns it as the differentiated argument and look it up "
-        "outside nested transforms."
+        f"embedding_lookup: {what} was looked up inside sparse_value_and_grad, but "
+        "it is not one of the differentiated tables: either it is not part of the "
+        "differentiated argument, or the params were transformed inside the loss "
+        "function (cast to bfloat16, copied, tree-mapped), which makes a new array "
+        "whose lookups cannot be recorded. Pass the module (NNX) or the params "
+        "(Linen) holding it as the differentiated argument, unchanged; for lower "
+        "precision compute, set dtype= on the embedding (rows are cast after the "
+        "lookup) or store the table in that dtype with param_dtype=."
       )
   return _gather(array, ids)
 
@@ -273,7 +387,7 @@ class LinenSparseEmbed(nn.Module):
       (self.num_embeddings, self.features),
       self.param_dtype,
     )
-    rows = embedding_lookup(table, inputs)
+    rows = _lookup(table, inputs, owner=self)
     return rows if self.dtype is None else rows.astype(self.dtype)
 
 
@@ -281,22 +395,50 @@ class LinenSparseEmbed(nn.Module):
 # Gradients.
 
 
-def _table_gradient(table: jax.Array, ids: list[jax.Array], cotangents: list[jax.Array]) -> Any:
-  """The BCOO gradient of a table from its lookups, or None if it was not looked up."""
-  if not ids:
-    return None
+def _table_gradient(
+  table: jax.Array,
+  ids: list[jax.Array],
+  cotangents: list[jax.Array | None],
+  dense: jax.Array | None,
+) -> Any:
+  """The gradient of a table as a BCOO, from its live lookups and its dense use.
+
+  Lookups whose cotangent is None (not live) add no entries. Padding ids become
+  the out-of-range row `V` with zero values, which every consumer drops. With a
+  dense use the BCOO holds every row once (sorted, unique): the dense cotangent
+  plus the lookups' rows, so the step touches the whole table. None when the
+  table has neither.
+  """
   num_rows, features = table.shape
-  flat_ids = jnp.concatenate([jnp.ravel(i).astype(jnp.int32) for i in ids])
-  # Padding ids become one out-of-range row, which every consumer drops.
-  flat_ids = jnp.where((flat_ids >= 0) & (flat_ids < num_rows), flat_ids, num_rows)
-  data = jnp.concatenate([c.reshape(-1, features) for c in cotangents]).astype(table.dtype)
-  return sparse.BCOO((data, flat_ids[:, None]), shape=table.shape)
+  live = [(i, c) for i, c in zip(ids, cotangents, strict=True) if c is not None]
+  if not live and dense is None:
+    return None
+  if live:
+    flat_ids = jnp.concatenate([jnp.ravel(i).astype(jnp.int32) for i, _ in live])
+    valid = (flat_ids >= 0) & (flat_ids < num_rows)
+    flat_ids = jnp.where(valid, flat_ids, num_rows)
+    data = jnp.concatenate([c.reshape(-1, features) for _, c in live]).astype(table.dtype)
+    # Padding reads constant zero rows: whatever reached them is not a gradient.
+    data = jnp.where(valid[:, None], data, jnp.zeros((), data.dtype))
+  if dense is None:
+    return sparse.BCOO((data, flat_ids[:, None]), shape=table.shape)
+  full = jnp.asarray(dense).astype(table.dtype)
+  if live:
+    full = full.at[flat_ids].add(data, mode="drop")
+  rows = jnp.arange(num_rows, dtype=jnp.int32)[:, None]
+  return sparse.BCOO((full, rows), shape=table.shape, indices_sorted=True, unique_indices=True)
 
 
-def _zero_perturbations(tables: Sequence[Any], recorded_ids: Any) -> list[list[jax.Array]]:
+def _perturbations(
+  tables: Sequence[Any], recorded_ids: Any, live: Any
+) -> list[list[jax.Array | None]]:
+  """Zero perturbations of the live lookups' rows; None for the others."""
   return [
-    [jnp.zeros(tuple(i.shape) + (t.shape[1],), t.dtype) for i in ids]
-    for t, ids in zip(tables, recorded_ids, strict=True)
+    [
+      jnp.zeros(tuple(i.shape) + (t.shape[1],), t.dtype) if is_live else None
+      for i, is_live in zip(ids, table_live, strict=True)
+    ]
+    for t, ids, table_live in zip(tables, recorded_ids, live, strict=True)
   ]
 
 
@@ -319,40 +461,81 @@ def _check_loss(loss: Any) -> None:
     )
 
 
+def _differentiate(call: Callable[..., Any], dense_args: Any, other_args: Any, arrays: list) -> Any:
+  """Runs `call(dense_args, perturbations, dense_tables, arrays, live, *other_args)` twice.
+
+  First abstractly under `jax.value_and_grad` with a recording tape, to learn
+  the lookups' shapes, which lookups are live and which tables are used
+  densely; then for real, differentiating the dense arguments, the live
+  lookups' perturbations and the densely used tables.
+
+  Returns:
+    `((loss, aux, extra), (dense_grads, cotangents, dense_table_grads), ids)`.
+  """
+  recorder: list[_Tape] = []
+
+  def record(dense_args, arrays, *other_args):
+    return call(dense_args, None, arrays, arrays, recorder, *other_args)
+
+  jax.eval_shape(
+    lambda d, a, *o: jax.value_and_grad(record, argnums=(0, 1), has_aux=True)(d, a, *o),
+    dense_args,
+    arrays,
+    *other_args,
+  )
+  (tape,) = recorder
+  live, dense_use = tape.live, tape.dense_use
+  perturbations = _perturbations(arrays, tape.ids, live)
+  dense_tables = [a if used else None for a, used in zip(arrays, dense_use, strict=True)]
+  (loss, (aux, extra, ids)), grads = jax.value_and_grad(call, argnums=(0, 1, 2), has_aux=True)(
+    dense_args, perturbations, dense_tables, arrays, live, *other_args
+  )
+  return (loss, aux, extra), grads, ids
+
+
+def _merge_tables(dense_tables: list, arrays: list) -> list:
+  return [a if d is None else d for d, a in zip(dense_tables, arrays, strict=True)]
+
+
+def _new_tape(arrays: list, names: list, perturbations: Any, live_or_recorder: Any) -> _Tape:
+  if perturbations is None:
+    tape = _Tape(arrays, names)
+    live_or_recorder.append(tape)
+    return tape
+  return _Tape(arrays, names, perturbations, live_or_recorder)
+
+
 def _nnx_value_and_grad(fun, argnums, has_aux, wrt, args, kwargs):
   target = args[argnums]
   graphdef, tables, params, rest = nnx.split(target, nnx.All(SparseTable, wrt), wrt, ...)
-  table_vars, tables_def = jax.tree.flatten(tables, is_leaf=_is_variable)
+  table_leaves, tables_def = jax.tree_util.tree_flatten_with_path(tables, is_leaf=_is_variable)
+  names = [path_str(p) for p, _ in table_leaves]
+  table_vars = [v for _, v in table_leaves]
   arrays = [v.get_value() for v in table_vars]
 
   # Pure states in, so that the traced calls build their own Variables and may
   # mutate them (a Variable made outside a trace refuses writes inside it).
-  def call(params, perturbations, arrays, rest):
-    tables = jax.tree.unflatten(tables_def, arrays)
-    model = nnx.merge(graphdef, tables, params, rest)
-    tape = _Tape(arrays, perturbations)
+  def call(params, perturbations, dense_tables, arrays, live, rest):
+    tape = _new_tape(_merge_tables(dense_tables, arrays), names, perturbations, live)
+    model = nnx.merge(graphdef, jax.tree.unflatten(tables_def, tape.views), params, rest)
     call_args = args[:argnums] + (model,) + args[argnums + 1 :]
     with _recording(tape):
       loss, aux = _split_output(fun(*call_args, **kwargs), has_aux)
     _check_loss(loss)
     new_rest = nnx.as_pure(nnx.state(model, nnx.Not(wrt)))
-    return loss, (aux, tape.ids, new_rest)
+    return loss, (aux, new_rest, tape.ids)
 
-  pure_params, pure_rest = nnx.as_pure(params), nnx.as_pure(rest)
-  # Shape pass: which tables are looked up, how many times, with which ids shapes.
-  _, (_, recorded, _) = jax.eval_shape(call, pure_params, None, arrays, pure_rest)
-  perturbations = _zero_perturbations(arrays, recorded)
-  (loss, (aux, ids, new_rest)), (param_grads, cotangents) = jax.value_and_grad(
-    call, argnums=(0, 1), has_aux=True
-  )(pure_params, perturbations, arrays, pure_rest)
+  (loss, aux, new_rest), (param_grads, cotangents, dense_grads), ids = _differentiate(
+    call, nnx.as_pure(params), (nnx.as_pure(rest),), arrays
+  )
   param_grads = jax.tree.map(
     lambda v, g: v.replace(value=g), params, param_grads, is_leaf=_is_variable
   )
   table_grads = jax.tree.unflatten(
     tables_def,
     [
-      v.replace(value=_table_gradient(a, i, c))
-      for v, a, i, c in zip(table_vars, arrays, ids, cotangents, strict=True)
+      v.replace(value=_table_gradient(a, i, c, d))
+      for v, a, i, c, d in zip(table_vars, arrays, ids, cotangents, dense_grads, strict=True)
     ],
   )
   nnx.update(target, new_rest)
@@ -360,9 +543,13 @@ def _nnx_value_and_grad(fun, argnums, has_aux, wrt, args, kwargs):
 
 
 def _tree_value_and_grad(fun, argnums, has_aux, args, kwargs):
-  leaves, treedef = jax.tree.flatten(args[argnums], is_leaf=_is_table_box)
+  leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path(
+    args[argnums], is_leaf=_is_table_box
+  )
+  leaves = [x for _, x in leaves_with_path]
   is_table = [_is_table_box(x) for x in leaves]
   boxes = [x for x, t in zip(leaves, is_table, strict=True) if t]
+  names = [path_str(p) for (p, x) in leaves_with_path if _is_table_box(x)]
   dense = [x for x, t in zip(leaves, is_table, strict=True) if not t]
   arrays = [b.value for b in boxes]
   if len({id(a) for a in arrays}) != len(arrays):
@@ -372,34 +559,32 @@ def _tree_value_and_grad(fun, argnums, has_aux, args, kwargs):
       "array (a shared table is one leaf looked up several times)."
     )
 
-  def call(dense, perturbations, arrays):
-    dense_iter, table_iter = iter(dense), iter(zip(boxes, arrays, strict=True))
+  def call(dense, perturbations, dense_tables, arrays, live):
+    tape = _new_tape(_merge_tables(dense_tables, arrays), names, perturbations, live)
+    dense_iter, table_iter = iter(dense), iter(zip(boxes, tape.views, strict=True))
     merged = []
     for t in is_table:
       if t:
-        box, array = next(table_iter)
-        merged.append(box.replace_boxed(array))
+        box, view = next(table_iter)
+        merged.append(box.replace_boxed(view))
       else:
         merged.append(next(dense_iter))
-    tape = _Tape(arrays, perturbations)
     call_args = args[:argnums] + (treedef.unflatten(merged),) + args[argnums + 1 :]
     with _recording(tape):
       loss, aux = _split_output(fun(*call_args, **kwargs), has_aux)
     _check_loss(loss)
-    return loss, (aux, tape.ids)
+    return loss, (aux, None, tape.ids)
 
-  _, (_, recorded) = jax.eval_shape(call, dense, None, arrays)
-  perturbations = _zero_perturbations(arrays, recorded)
-  (loss, (aux, ids)), (dense_grads, cotangents) = jax.value_and_grad(
-    call, argnums=(0, 1), has_aux=True
-  )(dense, perturbations, arrays)
+  (loss, aux, _), (dense_grads, cotangents, dense_table_grads), ids = _differentiate(
+    call, dense, (), arrays
+  )
   dense_iter = iter(dense_grads)
-  table_iter = iter(zip(boxes, arrays, ids, cotangents, strict=True))
+  table_iter = iter(zip(boxes, arrays, ids, cotangents, dense_table_grads, strict=True))
   grads = []
   for t in is_table:
     if t:
-      box, array, i, c = next(table_iter)
-      grads.append(box.replace_boxed(_table_gradient(array, i, c)))
+      box, array, i, c, d = next(table_iter)
+      grads.append(box.replace_boxed(_table_gradient(array, i, c, d)))
     else:
       grads.append(next(dense_iter))
   return (loss, aux), treedef.unflatten(grads)
