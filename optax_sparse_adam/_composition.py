@@ -504,8 +504,13 @@ def sparse_multi_steps(
   ) -> tuple[optax.Updates, SparseMultiStepsState]:
     leaves_with_path, treedef = _flatten(updates)
     acc_leaves = treedef.flatten_up_to(state.acc_grads)
+    param_leaves = _param_leaves(treedef, params)
     new_acc, cycle_grads = [], []
-    for (path, grad), acc in zip(leaves_with_path, acc_leaves, strict=True):
+    for (path, grad), acc, param in zip(leaves_with_path, acc_leaves, param_leaves, strict=True):
+      if isinstance(acc, RowBuffer) and grad is None:
+        # Nothing to add, but this mini-step's slot still holds the previous
+        # cycle's rows, and the cycle's earlier rows must still be stepped.
+        grad = _no_rows(acc, param, every_k, path, who)
       if grad is None:
         new_acc.append(acc)
       elif isinstance(acc, RowBuffer):
@@ -517,22 +522,21 @@ def sparse_multi_steps(
         )
       else:
         new_acc.append(acc + jnp.asarray(grad).astype(acc.dtype))
+      cycle_grads.append(grad)
     scale = 1.0 / every_k if use_grad_mean else 1.0
-    for (_, grad), acc in zip(leaves_with_path, new_acc, strict=True):
+    for i, (grad, acc) in enumerate(zip(cycle_grads, new_acc, strict=True)):
       if grad is None:
-        cycle_grads.append(None)
-      elif isinstance(acc, RowBuffer):
-        cycle_grads.append(
-          sparse.BCOO(
-            (
-              (acc.values * jnp.asarray(scale, acc.values.dtype)).astype(grad.dtype),
-              acc.rows[:, None],
-            ),
-            shape=grad.shape,
-          )
+        continue
+      if isinstance(acc, RowBuffer):
+        cycle_grads[i] = sparse.BCOO(
+          (
+            (acc.values * jnp.asarray(scale, acc.values.dtype)).astype(grad.dtype),
+            acc.rows[:, None],
+          ),
+          shape=grad.shape,
         )
       else:
-        cycle_grads.append((acc * jnp.asarray(scale, acc.dtype)).astype(jnp.result_type(grad)))
+        cycle_grads[i] = (acc * jnp.asarray(scale, acc.dtype)).astype(jnp.result_type(grad))
     cycle_grads = treedef.unflatten(cycle_grads)
     emit = state.mini_step == every_k - 1
 
@@ -558,6 +562,25 @@ def sparse_multi_steps(
     )
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _no_rows(buffer: RowBuffer, param: Any, every_k: int, path: Any, who: str) -> sparse.BCOO:
+  """An all-padding BCOO gradient for a mini-step whose gradient is None."""
+  if param is None:
+    raise ValueError(
+      f"{who}: the gradient at {path_str(path)} is None in this mini-step (a table "
+      "not looked up), and its shape is needed to step the rows of the cycle's other "
+      "mini-steps. Pass params to update (SparseOptimizer and SparseTrainState do)."
+    )
+  cap = buffer.rows.shape[0] // every_k
+  template = sparse.BCOO(
+    (
+      jnp.zeros((cap,) + buffer.values.shape[1:], buffer.values.dtype),
+      jnp.zeros((cap, 1), jnp.int32),
+    ),
+    shape=tuple(jnp.shape(param)),
+  )
+  return _empty_like(template)
 
 
 def _buffer_rows(
