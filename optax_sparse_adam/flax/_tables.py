@@ -155,8 +155,11 @@ class _Tape:
   def name_of_unknown(self, array: jax.Array) -> str:
     """Best guess of a table's path from its shape, for a table seen through a transform."""
     shape, dtype = jnp.shape(array), jnp.result_type(array)
+    # A transform may also slice a stacked table (an nnx.vmap ensemble).
     matches = [
-      n for n, t in zip(self.names, self.raw, strict=True) if t.shape == shape and t.dtype == dtype
+      n
+      for n, t in zip(self.names, self.raw, strict=True)
+      if t.shape[t.ndim - len(shape) :] == shape and t.dtype == dtype
     ]
     if len(matches) == 1:
       return f"the table at {matches[0]}"
