@@ -390,8 +390,9 @@ def test_nnx_vmap_ensemble_of_tables_raises_naming_the_stacked_table():
 # Accumulation with tables missing from some mini-steps.
 
 # Per mini-step: ids of table a and of table b, None where the table is not looked up.
-# Every table is looked up at least once per cycle of 2, and b is missing at the
-# last mini-step of the first cycle (whose rows were dropped before).
+# b is missing at the last mini-step of the first cycle (whose rows were dropped
+# before), a at the first mini-step of the third (whose slot held the previous
+# cycle's rows), and b from the whole fourth cycle (its step count must not advance).
 ACC_STEPS = [
   (ids(1, 2), ids(5)),
   (ids(1), None),
@@ -399,6 +400,10 @@ ACC_STEPS = [
   (None, ids(6, 6)),
   (None, ids(7)),
   (ids(4, 4), None),
+  (ids(2), None),  # b is looked up in no mini-step of this cycle: no step for it, as torch
+  (ids(5), None),
+  (ids(8), ids(1, 6)),
+  (None, ids(6)),
 ]
 
 
