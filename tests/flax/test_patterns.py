@@ -765,3 +765,78 @@ def test_linen_accumulation_with_missing_tables(jit):
   for qa, qb in ACC_STEPS:
     state = step(state, qa, qb)
   assert_linen_tables(state, acc_reference(linen_initial(), every_k=2))
+
+
+# ---------------------------------------------------------------------------
+# vmap ensembles: the whole train step vmapped over the members is correct.
+#
+# The fused CPU kernels have no vmap rule yet (issue 14 item 4, done in the
+# backend code); these run on the XLA path so that they check the Flax glue.
+
+ENSEMBLE_IDS = jnp.asarray(
+  [[[1, 2], [3, 3]], [[2, 5], [1, 1]], [[7, 2], [2, 0]]]
+)  # (step, member, batch)
+
+
+def ensemble_reference(initial, loss_of_table):
+  """Per member: NumPy masked Adam on the dense gradient of the plain-array loss."""
+  result = []
+  for member, table in enumerate(np.asarray(initial)):
+    ref = NumpySparseAdam(np.asarray(table, np.float64), lr=LR)
+    for step_ids in ENSEMBLE_IDS:
+      q = step_ids[member]
+      grad = np.asarray(jax.grad(loss_of_table)(jnp.asarray(ref.param, jnp.float32), q), np.float64)
+      rows = np.unique(np.asarray(q))
+      ref.step(rows[:, None], grad[rows])
+    result.append(ref.param)
+  return np.stack(result)
+
+
+def member_loss(table, q):
+  return jnp.sum((table[q] @ W) ** 2)
+
+
+def test_nnx_vmap_of_the_train_step_over_an_ensemble_is_correct():
+  @nnx.vmap(in_axes=0, out_axes=0)
+  def make(key):
+    return osa.SparseEmbed(V, D, rngs=nnx.Rngs(key))
+
+  ensemble = make(jax.random.split(jax.random.key(0), 2))
+  initial = np.asarray(ensemble.embedding[...])
+  optimizers = nnx.vmap(lambda m: osa.SparseOptimizer(m, osa.sparse_adam(LR), wrt=nnx.Param))(
+    ensemble
+  )
+
+  @nnx.jit
+  @nnx.vmap(in_axes=(0, 0, 0))
+  def step(model, optimizer, q):
+    _, grads = osa.sparse_value_and_grad(lambda m: jnp.sum((m(q) @ W) ** 2))(model)
+    optimizer.update(model, grads)
+
+  with osa.use_cpu_kernels(False):
+    for step_ids in ENSEMBLE_IDS:
+      step(ensemble, optimizers, step_ids)
+  expected = ensemble_reference(initial, member_loss)
+  np.testing.assert_allclose(ensemble.embedding[...], expected, atol=1e-5, rtol=0)
+
+
+def test_linen_vmap_of_the_train_step_over_an_ensemble_is_correct():
+  model = osa.LinenSparseEmbed(V, D)
+
+  def create(key):
+    params = model.init(key, ids(0))["params"]
+    return osa.SparseTrainState.create(apply_fn=None, params=params, tx=osa.sparse_adam(LR))
+
+  states = jax.vmap(create)(jax.random.split(jax.random.key(0), 2))
+  initial = np.asarray(unbox(states.params)["embedding"])
+
+  def step(state, q):
+    loss = lambda p: jnp.sum((model.apply({"params": p}, q) @ W) ** 2)  # noqa: E731
+    return state.apply_gradients(grads=osa.sparse_grad(loss)(state.params))
+
+  step = jax.jit(jax.vmap(step))
+  with osa.use_cpu_kernels(False):
+    for step_ids in ENSEMBLE_IDS:
+      states = step(states, step_ids)
+  expected = ensemble_reference(initial, member_loss)
+  np.testing.assert_allclose(unbox(states.params)["embedding"], expected, atol=1e-5, rtol=0)
