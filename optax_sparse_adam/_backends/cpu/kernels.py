@@ -17,6 +17,7 @@ import contextlib
 import ctypes
 import functools
 import importlib.machinery
+import math
 import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -26,6 +27,8 @@ import jax
 import jax.numpy as jnp
 
 from optax_sparse_adam._core import sharding
+from optax_sparse_adam._core.adam import RowsStep, StepOptions, TableState
+from optax_sparse_adam._core.bcoo import RowLayout
 
 _ADAM_ROWS = "optax_sparse_adam_adam_rows_f32"
 _SCATTER_ADD_ROWS = "optax_sparse_adam_scatter_add_rows_f32"
@@ -86,7 +89,7 @@ def enabled() -> bool:
   return wanted and jax.device_count() == 1 and available()
 
 
-def applies(arrays: Sequence[Any], *, nse: int, num_rows: int, row_size: int) -> bool:
+def _applies(arrays: Sequence[Any], *, nse: int, num_rows: int, row_size: int) -> bool:
   """Whether a kernel may run a step on `arrays` (all float32) at trace time.
 
   Also needs at least one entry and one row of at least one value, no mesh with
@@ -100,6 +103,34 @@ def applies(arrays: Sequence[Any], *, nse: int, num_rows: int, row_size: int) ->
     and row_size > 0
     and not sharding.explicit_axes()
     and enabled()
+  )
+
+
+def step_applies(
+  values: jax.Array, tables: TableState, *, layout: RowLayout, options: StepOptions
+) -> bool:
+  """Whether `rows_step` computes this step: float32, no amsgrad, weight decay or per-row steps."""
+  return (
+    tables.nu_max is None
+    and tables.row_step is None
+    and options.weight_decay == "none"
+    and options.step_size is not None
+    and _applies(
+      (values, tables.mu, tables.nu),
+      nse=values.shape[0],
+      num_rows=layout.num_rows,
+      row_size=math.prod(layout.dense_shape),
+    )
+  )
+
+
+def scatter_add_applies(param: jax.Array, values: jax.Array, *, layout: RowLayout) -> bool:
+  """Whether `scatter_add_rows` can apply this update: float32 parameter and values."""
+  return _applies(
+    (param, values),
+    nse=values.shape[0],
+    num_rows=layout.num_rows,
+    row_size=math.prod(layout.dense_shape),
   )
 
 
@@ -134,6 +165,37 @@ def use_cpu_kernels(enable: bool) -> Iterator[None]:
     yield
   finally:
     _enabled_override.pop()
+
+
+def rows_step(
+  rows: jax.Array,
+  values: jax.Array,
+  tables: TableState,
+  *,
+  layout: RowLayout,
+  options: StepOptions,
+) -> RowsStep:
+  """`xla.rows_step` by the fused kernel, for a step where `step_applies`."""
+  f32 = jnp.float32
+  coeffs = options.coeffs
+  coefficients = jnp.stack(
+    [
+      jnp.asarray(coeffs.one_minus_b1, f32),
+      jnp.asarray(coeffs.one_minus_b2, f32),
+      jnp.asarray(coeffs.eps, f32),
+      jnp.asarray(options.step_size, f32),
+    ]
+  )
+  unique_rows, delta, mu, nu = adam_rows(
+    rows,
+    values,
+    tables.mu,
+    tables.nu,
+    coefficients,
+    num_rows=layout.num_rows,
+    maximize=options.maximize,
+  )
+  return RowsStep(unique_rows, delta, TableState(mu, nu))
 
 
 def adam_rows(
