@@ -1,6 +1,12 @@
-"""Removable hook handles with torch's semantics, without importing torch."""
+"""The optimizer's hooks with torch's semantics, without importing torch.
 
+Removable handles, the six kinds of per-optimizer hooks (`HookRegistry`), and
+the step hooks run around `step` in torch's order, global hooks included.
+"""
+
+import functools
 import itertools
+import sys
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable
@@ -44,3 +50,132 @@ def register(hooks: OrderedDict, hook: Callable, *, prepend: bool = False) -> Re
   if prepend:
     hooks.move_to_end(handle.id, last=False)
   return handle
+
+
+HOOK_DICTS = (
+  "_optimizer_step_pre_hooks",
+  "_optimizer_step_post_hooks",
+  "_optimizer_state_dict_pre_hooks",
+  "_optimizer_state_dict_post_hooks",
+  "_optimizer_load_state_dict_pre_hooks",
+  "_optimizer_load_state_dict_post_hooks",
+)
+
+
+def global_step_hooks() -> tuple[list[Callable], list[Callable]]:
+  """The hooks of torch's `register_optimizer_step_pre_hook`/`_post_hook`, if torch is loaded."""
+  torch_optimizer = sys.modules.get("torch.optim.optimizer")
+  if torch_optimizer is None:
+    return [], []
+  return (
+    list(torch_optimizer._global_optimizer_pre_hooks.values()),
+    list(torch_optimizer._global_optimizer_post_hooks.values()),
+  )
+
+
+def with_step_hooks(step: Callable) -> Callable:
+  """Runs the step pre- and post-hooks around `step`, as torch's `profile_hook_step`.
+
+  torch's order: the global pre-hooks (`torch.optim.optimizer.
+  register_optimizer_step_pre_hook`), this optimizer's pre-hooks, the step,
+  this optimizer's post-hooks, the global post-hooks. As in torch, hooks receive
+  `args` including the optimizer itself, and a pre-hook may return
+  `(new_args, new_kwargs)` to replace the call's arguments.
+  """
+
+  @functools.wraps(step)
+  def wrapper(*args: Any, **kwargs: Any) -> Any:
+    self = args[0]
+    global_pre_hooks, global_post_hooks = global_step_hooks()
+    for pre_hook in global_pre_hooks + list(self._optimizer_step_pre_hooks.values()):
+      result = pre_hook(self, args, kwargs)
+      if result is not None:
+        if isinstance(result, tuple) and len(result) == 2:
+          args, kwargs = result
+        else:
+          raise RuntimeError(
+            f"{step} must return None or a tuple of (new_args, new_kwargs), but got {result}."
+          )
+    out = step(*args, **kwargs)
+    for post_hook in list(self._optimizer_step_post_hooks.values()) + global_post_hooks:
+      post_hook(self, args, kwargs)
+    return out
+
+  return wrapper
+
+
+class HookRegistry:
+  """The `register_*_hook` methods of `torch.optim.Optimizer`, over the dicts in `HOOK_DICTS`.
+
+  The optimizer creates the six `OrderedDict`s; each method adds a hook to one.
+  """
+
+  def register_step_pre_hook(self, hook: Callable) -> RemovableHandle:
+    """Registers `hook(optimizer, args, kwargs) -> None | (new_args, new_kwargs)` before step.
+
+    Returns:
+      A handle whose `remove()` unregisters the hook.
+    """
+    return register(self._optimizer_step_pre_hooks, hook)
+
+  def register_step_post_hook(self, hook: Callable) -> RemovableHandle:
+    """Registers `hook(optimizer, args, kwargs) -> None` after step.
+
+    Returns:
+      A handle whose `remove()` unregisters the hook.
+    """
+    return register(self._optimizer_step_post_hooks, hook)
+
+  def register_state_dict_pre_hook(self, hook: Callable, prepend: bool = False) -> RemovableHandle:
+    """Registers `hook(optimizer) -> None`, run when `state_dict()` starts.
+
+    Args:
+      hook: the hook.
+      prepend: run it before the hooks already registered instead of after.
+
+    Returns:
+      A handle whose `remove()` unregisters the hook.
+    """
+    return register(self._optimizer_state_dict_pre_hooks, hook, prepend=prepend)
+
+  def register_state_dict_post_hook(self, hook: Callable, prepend: bool = False) -> RemovableHandle:
+    """Registers `hook(optimizer, state_dict) -> None | state_dict`, run on the result.
+
+    Args:
+      hook: the hook; it may edit the dict or return a replacement.
+      prepend: run it before the hooks already registered instead of after.
+
+    Returns:
+      A handle whose `remove()` unregisters the hook.
+    """
+    return register(self._optimizer_state_dict_post_hooks, hook, prepend=prepend)
+
+  def register_load_state_dict_pre_hook(
+    self, hook: Callable, prepend: bool = False
+  ) -> RemovableHandle:
+    """Registers `hook(optimizer, state_dict) -> None | state_dict`, run before loading.
+
+    The hook gets a shallow copy of the dict given to `load_state_dict`.
+
+    Args:
+      hook: the hook; it may edit the dict or return a replacement to load.
+      prepend: run it before the hooks already registered instead of after.
+
+    Returns:
+      A handle whose `remove()` unregisters the hook.
+    """
+    return register(self._optimizer_load_state_dict_pre_hooks, hook, prepend=prepend)
+
+  def register_load_state_dict_post_hook(
+    self, hook: Callable, prepend: bool = False
+  ) -> RemovableHandle:
+    """Registers `hook(optimizer) -> None`, run after a successful load.
+
+    Args:
+      hook: the hook.
+      prepend: run it before the hooks already registered instead of after.
+
+    Returns:
+      A handle whose `remove()` unregisters the hook.
+    """
+    return register(self._optimizer_load_state_dict_post_hooks, hook, prepend=prepend)

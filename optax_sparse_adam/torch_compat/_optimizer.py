@@ -12,11 +12,9 @@ calls is defined here; torch's `__init__` never runs and no torch tensor is made
 Without torch the class stands alone and torch is never imported.
 """
 
-import functools
-import sys
 import warnings
 from collections import OrderedDict, defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from copy import deepcopy
 from itertools import chain
 from typing import Any
@@ -25,22 +23,12 @@ import jax.numpy as jnp
 from jax.experimental import sparse
 
 from optax_sparse_adam.torch_compat import _hooks
-from optax_sparse_adam.torch_compat._hooks import RemovableHandle
 from optax_sparse_adam.torch_compat._parameter import Parameter
 
 StateDict = dict[str, Any]
 
 # Appended to torch's wording where it says "Tensor".
 _TENSOR_HINT = " (here a Tensor is an optax_sparse_adam.torch_compat.Parameter)"
-
-_HOOK_DICTS = (
-  "_optimizer_step_pre_hooks",
-  "_optimizer_step_post_hooks",
-  "_optimizer_state_dict_pre_hooks",
-  "_optimizer_state_dict_post_hooks",
-  "_optimizer_load_state_dict_pre_hooks",
-  "_optimizer_load_state_dict_post_hooks",
-)
 
 
 def _typename(x: Any) -> str:
@@ -58,49 +46,7 @@ def _torch_optimizer_bases() -> tuple[type, ...]:
   return (TorchOptimizer,)
 
 
-def _global_step_hooks() -> tuple[list[Callable], list[Callable]]:
-  """The hooks of torch's `register_optimizer_step_pre_hook`/`_post_hook`, if torch is loaded."""
-  torch_optimizer = sys.modules.get("torch.optim.optimizer")
-  if torch_optimizer is None:
-    return [], []
-  return (
-    list(torch_optimizer._global_optimizer_pre_hooks.values()),
-    list(torch_optimizer._global_optimizer_post_hooks.values()),
-  )
-
-
-def with_step_hooks(step: Callable) -> Callable:
-  """Runs the step pre- and post-hooks around `step`, as torch's `profile_hook_step`.
-
-  torch's order: the global pre-hooks (`torch.optim.optimizer.
-  register_optimizer_step_pre_hook`), this optimizer's pre-hooks, the step,
-  this optimizer's post-hooks, the global post-hooks. As in torch, hooks receive
-  `args` including the optimizer itself, and a pre-hook may return
-  `(new_args, new_kwargs)` to replace the call's arguments.
-  """
-
-  @functools.wraps(step)
-  def wrapper(*args: Any, **kwargs: Any) -> Any:
-    self = args[0]
-    global_pre_hooks, global_post_hooks = _global_step_hooks()
-    for pre_hook in global_pre_hooks + list(self._optimizer_step_pre_hooks.values()):
-      result = pre_hook(self, args, kwargs)
-      if result is not None:
-        if isinstance(result, tuple) and len(result) == 2:
-          args, kwargs = result
-        else:
-          raise RuntimeError(
-            f"{step} must return None or a tuple of (new_args, new_kwargs), but got {result}."
-          )
-    out = step(*args, **kwargs)
-    for post_hook in list(self._optimizer_step_post_hooks.values()) + global_post_hooks:
-      post_hook(self, args, kwargs)
-    return out
-
-  return wrapper
-
-
-class Optimizer(*_torch_optimizer_bases()):
+class Optimizer(_hooks.HookRegistry, *_torch_optimizer_bases()):
   """Base class with `torch.optim.Optimizer`'s behaviour; see `SparseAdam`.
 
   A `torch.optim.Optimizer` (by inheritance) when torch is installed.
@@ -116,7 +62,7 @@ class Optimizer(*_torch_optimizer_bases()):
 
   def __init__(self, params: Any, defaults: dict[str, Any]) -> None:
     self.defaults = defaults
-    for name in _HOOK_DICTS:
+    for name in _hooks.HOOK_DICTS:
       setattr(self, name, OrderedDict())
 
     if isinstance(params, (Parameter, sparse.BCOO)) or hasattr(params, "__array__"):
@@ -142,7 +88,7 @@ class Optimizer(*_torch_optimizer_bases()):
 
   def __setstate__(self, state: dict[str, Any]) -> None:
     self.__dict__.update(state)
-    for name in _HOOK_DICTS:
+    for name in _hooks.HOOK_DICTS:
       self.__dict__.setdefault(name, OrderedDict())
     self.defaults.setdefault("differentiable", False)
 
@@ -416,78 +362,6 @@ class Optimizer(*_torch_optimizer_bases()):
   def _load_param_state(self, param: Parameter, value: Any, where: str) -> dict[str, Any]:
     """Checks and converts one parameter's loaded state; subclasses know its keys."""
     raise NotImplementedError
-
-  # Hooks.
-
-  def register_step_pre_hook(self, hook: Callable) -> RemovableHandle:
-    """Registers `hook(optimizer, args, kwargs) -> None | (new_args, new_kwargs)` before step.
-
-    Returns:
-      A handle whose `remove()` unregisters the hook.
-    """
-    return _hooks.register(self._optimizer_step_pre_hooks, hook)
-
-  def register_step_post_hook(self, hook: Callable) -> RemovableHandle:
-    """Registers `hook(optimizer, args, kwargs) -> None` after step.
-
-    Returns:
-      A handle whose `remove()` unregisters the hook.
-    """
-    return _hooks.register(self._optimizer_step_post_hooks, hook)
-
-  def register_state_dict_pre_hook(self, hook: Callable, prepend: bool = False) -> RemovableHandle:
-    """Registers `hook(optimizer) -> None`, run when `state_dict()` starts.
-
-    Args:
-      hook: the hook.
-      prepend: run it before the hooks already registered instead of after.
-
-    Returns:
-      A handle whose `remove()` unregisters the hook.
-    """
-    return _hooks.register(self._optimizer_state_dict_pre_hooks, hook, prepend=prepend)
-
-  def register_state_dict_post_hook(self, hook: Callable, prepend: bool = False) -> RemovableHandle:
-    """Registers `hook(optimizer, state_dict) -> None | state_dict`, run on the result.
-
-    Args:
-      hook: the hook; it may edit the dict or return a replacement.
-      prepend: run it before the hooks already registered instead of after.
-
-    Returns:
-      A handle whose `remove()` unregisters the hook.
-    """
-    return _hooks.register(self._optimizer_state_dict_post_hooks, hook, prepend=prepend)
-
-  def register_load_state_dict_pre_hook(
-    self, hook: Callable, prepend: bool = False
-  ) -> RemovableHandle:
-    """Registers `hook(optimizer, state_dict) -> None | state_dict`, run before loading.
-
-    The hook gets a shallow copy of the dict given to `load_state_dict`.
-
-    Args:
-      hook: the hook; it may edit the dict or return a replacement to load.
-      prepend: run it before the hooks already registered instead of after.
-
-    Returns:
-      A handle whose `remove()` unregisters the hook.
-    """
-    return _hooks.register(self._optimizer_load_state_dict_pre_hooks, hook, prepend=prepend)
-
-  def register_load_state_dict_post_hook(
-    self, hook: Callable, prepend: bool = False
-  ) -> RemovableHandle:
-    """Registers `hook(optimizer) -> None`, run after a successful load.
-
-    Args:
-      hook: the hook.
-      prepend: run it before the hooks already registered instead of after.
-
-    Returns:
-      A handle whose `remove()` unregisters the hook.
-    """
-    return _hooks.register(self._optimizer_load_state_dict_post_hooks, hook, prepend=prepend)
 
 
 def iter_params(param_groups: Iterable[dict[str, Any]]) -> Iterable[tuple[int, int, Parameter]]:

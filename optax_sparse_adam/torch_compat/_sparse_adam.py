@@ -7,7 +7,8 @@ from jax.experimental import sparse
 
 from optax_sparse_adam._core import bcoo
 from optax_sparse_adam.torch_compat import _convert, _step
-from optax_sparse_adam.torch_compat._optimizer import Optimizer, iter_params, with_step_hooks
+from optax_sparse_adam.torch_compat._hooks import with_step_hooks
+from optax_sparse_adam.torch_compat._optimizer import Optimizer, iter_params
 from optax_sparse_adam.torch_compat._parameter import Parameter
 
 _DENSE_GRAD = "SparseAdam does not support dense gradients, please consider Adam instead"
