@@ -20,7 +20,7 @@ import numpy as np
 from jax import lax
 from jax.experimental import sparse
 
-from optax_sparse_adam import _cpu_kernel, _sharding
+from optax_sparse_adam import _backend, _cpu_kernel, _sharding
 from optax_sparse_adam._errors import describe, path_str
 
 BCOO = sparse.BCOO
@@ -373,14 +373,20 @@ def scatter_add_bcoo(param: jax.Array, update: BCOO, path: Sequence[Any] = ()) -
 def _scatter_add_rows(param: jax.Array, update: BCOO, layout: RowLayout) -> jax.Array:
   rows = linear_rows(update.indices, layout)
 
-  def with_xla(param_rows, rows, values):
-    return param_rows.at[rows].add(
-      values.astype(param_rows.dtype),
-      mode="drop",
-      unique_indices=update.unique_indices,
-      indices_are_sorted=update.indices_sorted,
+  def generic(param, rows, values):
+    param_rows = as_rows(param, layout)
+    return (
+      param_rows.at[rows]
+      .add(
+        values.astype(param_rows.dtype),
+        mode="drop",
+        unique_indices=update.unique_indices,
+        indices_are_sorted=update.indices_sorted,
+      )
+      .reshape(param.shape)
     )
 
+  on_cpu = generic
   if _cpu_kernel.applies(
     (param, update.data),
     nse=update.nse,
@@ -394,11 +400,12 @@ def _scatter_add_rows(param: jax.Array, update: BCOO, layout: RowLayout) -> jax.
         param, rows, values, num_rows=layout.num_rows, unique_rows=update.unique_indices
       )
 
-    def elsewhere(param, rows, values):
-      return with_xla(as_rows(param, layout), rows, values).reshape(param.shape)
-
-    return lax.platform_dependent(param, rows, update.data, cpu=on_cpu, default=elsewhere)
-  return with_xla(as_rows(param, layout), rows, update.data).reshape(param.shape)
+  # Accelerators add as the generic path: one scatter-add, no sort. An update
+  # from sparse_adam has no repeated row (its padding rows are dropped); its
+  # flags mirror the gradient's, so they cannot promise that to XLA.
+  return _backend.by_backend(
+    (param, rows, update.data), cpu=on_cpu, accelerator=generic, generic=generic
+  )
 
 
 def rows_to_bcoo(coalesced: CoalescedRows, layout: RowLayout) -> BCOO:

@@ -32,7 +32,7 @@ from jax import lax
 from jax.experimental import sparse
 from jax.sharding import PartitionSpec
 
-from optax_sparse_adam import _bcoo, _cpu_kernel, _sharding
+from optax_sparse_adam import _backend, _bcoo, _cpu_kernel, _sharding
 from optax_sparse_adam._errors import path_str
 
 Scalar = float | jax.Array
@@ -302,8 +302,7 @@ def _leaf_step(
     step_size = bias_corrected_step_size(coeffs, step)
   compute_dtype = jnp.result_type(jnp.float32, grad.dtype, state.mu.dtype, state.nu.dtype)
   rows = _bcoo.linear_rows(grad.indices, layout)
-  xla_step = functools.partial(
-    _xla_rows_step,
+  options = dict(
     layout=layout,
     param=param,
     row_step=row_step,
@@ -315,6 +314,25 @@ def _leaf_step(
     compute_dtype=compute_dtype,
     opaque_zero=opaque_zero,
   )
+
+  def tables_step(rows_step):
+    """A rows step that takes and returns the moments in the parameter's shape."""
+
+    def step(rows, values, mu, nu, nu_max):
+      tables = tuple(None if t is None else _bcoo.as_rows(t, layout) for t in (mu, nu, nu_max))
+      unique_rows, delta, new_tables, new_row_step = rows_step(rows, values, tables, **options)
+      mu, nu, nu_max = (
+        None if t is None else t.reshape(state.mu.shape if k == 0 else state.nu.shape)
+        for k, t in enumerate(new_tables)
+      )
+      return unique_rows, delta, mu, nu, nu_max, new_row_step
+
+    return step
+
+  # Imported here: the accelerator step builds on this module's arithmetic.
+  from optax_sparse_adam import _accelerator
+
+  generic = tables_step(_xla_rows_step)
   kernel_computes_it = (
     state.nu_max is None
     and row_step is None
@@ -327,18 +345,21 @@ def _leaf_step(
     )
   )
   if kernel_computes_it:
-    unique_rows, delta, (mu_table, nu_table, nu_max_table) = _rows_step_with_cpu_kernels(
-      rows, grad.data, state.mu, state.nu, layout, coeffs, step_size, maximize, xla_step
+    on_cpu = functools.partial(
+      _rows_step_with_cpu_kernels,
+      layout=layout,
+      coeffs=coeffs,
+      step_size=step_size,
+      maximize=maximize,
     )
   else:
-    tables = (
-      _bcoo.as_rows(state.mu, layout),
-      _bcoo.as_rows(state.nu, layout),
-      None if state.nu_max is None else _bcoo.as_rows(state.nu_max, layout),
-    )
-    unique_rows, delta, (mu_table, nu_table, nu_max_table), row_step = xla_step(
-      rows, grad.data, tables
-    )
+    on_cpu = generic
+  unique_rows, delta, mu_table, nu_table, nu_max_table, row_step = _backend.by_backend(
+    (rows, grad.data, state.mu, state.nu, state.nu_max),
+    cpu=on_cpu,
+    accelerator=tables_step(_accelerator.rows_step),
+    generic=generic,
+  )
 
   new_state = LeafState(
     step=step,
@@ -356,6 +377,7 @@ def _xla_rows_step(
   values: jax.Array,
   tables: tuple[jax.Array, jax.Array, jax.Array | None],
   *,
+  coalesce: Any = _bcoo.coalesce_and_gather_rows,
   layout: _bcoo.RowLayout,
   param: jax.Array | None,
   row_step: jax.Array | None,
@@ -371,13 +393,15 @@ def _xla_rows_step(
 
   Returns `(unique_rows, delta, (mu, nu, nu_max), row_step)`: the coalesced
   rows, their deltas in the gradient's dtype (zero in padding slots), and the
-  updated `(num_rows, ...)` tables.
+  updated `(num_rows, ...)` tables. `coalesce` finds the distinct rows, their
+  summed values and the tables' old rows (`_bcoo.coalesce_and_gather_rows`,
+  or the accelerator's one-sort version).
   """
   # The moments' old rows are gathered while the gradient is coalesced; one
   # moment table may come back holding scratch values in the touched rows,
   # which the scatters below overwrite.
-  coalesced, (mu_old, nu_old, nu_max_old), (mu_table, nu_table, nu_max_table) = (
-    _bcoo.coalesce_and_gather_rows(rows, values, layout.num_rows, tables)
+  coalesced, (mu_old, nu_old, nu_max_old), (mu_table, nu_table, nu_max_table) = coalesce(
+    rows, values, layout.num_rows, tables
   )
   rows = coalesced.rows
   g = coalesced.values.astype(compute_dtype)
@@ -429,16 +453,18 @@ def _rows_step_with_cpu_kernels(
   values: jax.Array,
   mu: jax.Array,
   nu: jax.Array,
+  nu_max: None,
+  *,
   layout: _bcoo.RowLayout,
   coeffs: AdamCoefficients,
   step_size: jax.Array,
   maximize: bool,
-  xla_step: Any,
-) -> tuple[jax.Array, jax.Array, tuple]:
-  """The fused CPU kernel on the CPU, `xla_step` on any other backend; same results.
+) -> tuple:
+  """The fused CPU kernel's step (lowered on the CPU only), results as the XLA rows steps'.
 
   The moments go in and come out in the parameter's shape.
   """
+  del nu_max  # the kernel runs only without amsgrad
   f32 = jnp.float32
   coefficients = jnp.stack(
     [
@@ -448,18 +474,7 @@ def _rows_step_with_cpu_kernels(
       jnp.asarray(step_size, f32),
     ]
   )
-
-  def on_cpu(rows, values, mu, nu):
-    return _cpu_kernel.adam_rows(
-      rows, values, mu, nu, coefficients, num_rows=layout.num_rows, maximize=maximize
-    )
-
-  def elsewhere(rows, values, mu, nu):
-    tables = (_bcoo.as_rows(mu, layout), _bcoo.as_rows(nu, layout), None)
-    unique_rows, delta, (new_mu, new_nu, _), _ = xla_step(rows, values, tables)
-    return unique_rows, delta, new_mu.reshape(mu.shape), new_nu.reshape(nu.shape)
-
-  unique_rows, delta, mu, nu = lax.platform_dependent(
-    rows, values, mu, nu, cpu=on_cpu, default=elsewhere
+  unique_rows, delta, mu, nu = _cpu_kernel.adam_rows(
+    rows, values, mu, nu, coefficients, num_rows=layout.num_rows, maximize=maximize
   )
-  return unique_rows, delta, (mu, nu, None)
+  return unique_rows, delta, mu, nu, None, None
