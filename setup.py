@@ -11,8 +11,8 @@ from setuptools import Extension, setup
 setup(
   ext_modules=[
     Extension(
-      "optax_sparse_adam._cpu_kernels",
-      sources=["optax_sparse_adam/_cpu_kernels.cc"],
+      "optax_sparse_adam._backends.cpu._kernels",
+      sources=["optax_sparse_adam/_backends/cpu/kernels.cc"],
       include_dirs=[jax.ffi.include_dir()],
       language="c++",
       # -ffp-contract=off: no FMA, every product rounded, as in XLA and torch.

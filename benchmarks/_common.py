@@ -21,7 +21,8 @@ import optax  # noqa: E402
 from jax.experimental import sparse  # noqa: E402
 
 import optax_sparse_adam as osa  # noqa: E402
-from optax_sparse_adam import _bcoo, _cpu_kernel, _huge_pages  # noqa: E402
+from optax_sparse_adam._backends.cpu import kernels  # noqa: E402
+from optax_sparse_adam._core import bcoo  # noqa: E402
 
 try:
   import torch
@@ -94,25 +95,25 @@ def _coalesce_by_permutation_sort(rows, values, num_rows):
   valid = unique_rows < num_rows
   unique_rows = jnp.where(valid, unique_rows, num_rows + slots)
   summed = jnp.where(valid.reshape((nse,) + (1,) * (values.ndim - 1)), summed, 0)
-  return _bcoo.CoalescedRows(unique_rows, summed)
+  return bcoo.CoalescedRows(unique_rows, summed)
 
 
 @contextlib.contextmanager
 def permutation_sort_baseline() -> Iterator[None]:
   """Inside this block sparse_adam runs XLA ops and coalesces as the first core did."""
-  fast = _bcoo.coalesce_and_gather_rows
+  fast = bcoo.coalesce_and_gather_rows
 
   def baseline(rows, values, num_rows, tables):
     coalesced = _coalesce_by_permutation_sort(rows, values, num_rows)
-    gathered = [None if t is None else _bcoo.gather_rows(t, coalesced.rows) for t in tables]
+    gathered = [None if t is None else bcoo.gather_rows(t, coalesced.rows) for t in tables]
     return coalesced, gathered, list(tables)
 
-  _bcoo.coalesce_and_gather_rows = baseline
+  bcoo.coalesce_and_gather_rows = baseline
   try:
-    with _cpu_kernel.use_cpu_kernels(False):  # the baseline is a path of XLA ops
+    with kernels.use_cpu_kernels(False):  # the baseline is a path of XLA ops
       yield
   finally:
-    _bcoo.coalesce_and_gather_rows = fast
+    bcoo.coalesce_and_gather_rows = fast
 
 
 def sparse_step(opt: optax.GradientTransformation) -> Callable:
@@ -181,7 +182,7 @@ def time_sparse_adam(
   if cpu_kernels is None:
     setting = contextlib.nullcontext()
   else:
-    setting = _cpu_kernel.use_cpu_kernels(cpu_kernels)
+    setting = kernels.use_cpu_kernels(cpu_kernels)
   with setting:
     return time_jitted_steps(
       sparse_step(opt), params, state, grads, donate=donate, steps=steps, repeats=repeats
@@ -314,7 +315,7 @@ def _time_torch(ids, values, num_rows, *, huge_pages, steps, repeats):
       run(1)
     state = opt.state[param]
     tensors = [param.data, state["exp_avg"], state["exp_avg_sq"]]
-    _huge_pages.advise_memory([(t.data_ptr(), t.numel() * t.element_size()) for t in tensors])
+    huge_pages.advise_memory([(t.data_ptr(), t.numel() * t.element_size()) for t in tensors])
   with torch.no_grad():
     seconds = best_step_time(run, steps, repeats)
   return seconds
@@ -345,7 +346,7 @@ def memory_floor(ids: list[np.ndarray], dim: int, *, repeats: int = 20) -> float
 
 
 def cpu_kernels_used() -> bool:
-  return _cpu_kernel.enabled()
+  return kernels.enabled()
 
 
 def machine() -> str:

@@ -10,13 +10,11 @@ steps under `nnx.jit` with the model and optimizer donated:
 Both run in this process, alternating in rounds so that a change in machine load hits
 both; the median step time of each and their ratio are printed.
 
-  python benchmarks/bench_flax.py
-  python benchmarks/bench_flax.py --num-rows 100000 --rounds 2
+  python -m benchmarks.bench_flax
+  python -m benchmarks.bench_flax --num-rows 100000 --rounds 2
 """
 
 import argparse
-import pathlib
-import sys
 import time
 
 import jax
@@ -26,10 +24,7 @@ import optax
 from flax import nnx
 
 import optax_sparse_adam as osa
-
-# The model and train steps are the example's own, so the benchmark times what it shows.
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "examples"))
-from recommender_nnx import TwoTower, dense_step, mse, sparse_step  # noqa: E402
+from benchmarks._two_tower import TwoTower, dense_step, mse, sparse_step
 
 
 def pure_sparse_step(graphdef):

@@ -17,8 +17,8 @@ memory analysis), and the bytes of the arrays its collectives produce (from
 the compiled HLO). The last two are the compiler's own accounting and carry
 over to GPUs and TPUs; the times do not (see the note printed at the end).
 
-  python benchmarks/bench_sharded.py              # about a minute
-  python benchmarks/bench_sharded.py --rows 1000000 --rounds 10
+  python -m benchmarks.bench_sharded              # about a minute
+  python -m benchmarks.bench_sharded --rows 1000000 --rounds 10
 """
 
 import os

@@ -14,12 +14,9 @@ Run from the repository root:
 """
 
 import argparse
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks import _common as c  # noqa: E402
+from benchmarks import _common as c
 
 ROOT = Path(__file__).resolve().parents[1]
 

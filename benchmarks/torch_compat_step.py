@@ -4,7 +4,7 @@ Also times torch.optim.SparseAdam on the same gradients when torch is installed.
 All three run in this one process, interleaved, and the script prints ratios. On
 a shared machine only the ratios mean anything.
 
-Run: python benchmarks/torch_compat_step.py [--params 16 --rows 100000 --dim 32 --nse 1024]
+Run: python -m benchmarks.torch_compat_step [--params 16 --rows 100000 --dim 32 --nse 1024]
 """
 
 import argparse
@@ -16,10 +16,9 @@ import numpy as np
 from jax.experimental import sparse
 from tqdm import tqdm
 
-from optax_sparse_adam import _torch_step
-from optax_sparse_adam.torch_compat import Parameter, SparseAdam
+from optax_sparse_adam.torch_compat import Parameter, SparseAdam, _step
 
-_FUSED = _torch_step.fused_step
+_FUSED = _step.fused_step
 
 
 def _one_call_per_param(params, exp_avgs, exp_avg_sqs, grads, scalars, zero):
@@ -65,11 +64,11 @@ def main():
     def run():
       for p, g in zip(params, grads, strict=True):
         p.grad = g
-      _torch_step.fused_step = step_fn
+      _step.fused_step = step_fn
       try:
         opt.step()
       finally:
-        _torch_step.fused_step = _FUSED
+        _step.fused_step = _FUSED
       jax.block_until_ready([p.data for p in params])
 
     return run

@@ -6,14 +6,16 @@ import importlib
 import pytest
 
 MODULES = [
-  "optax_sparse_adam._transform",
-  "optax_sparse_adam._composition",
-  "optax_sparse_adam._checks",
-  "optax_sparse_adam._cpu_kernel",
-  "optax_sparse_adam._huge_pages",
-  "optax_sparse_adam._flax",
-  "optax_sparse_adam.torch_compat",
-  "optax_sparse_adam._torch_parameter",
+  "optax_sparse_adam._core.transform",
+  "optax_sparse_adam._core.composition",
+  "optax_sparse_adam._core.checks",
+  "optax_sparse_adam._backends.cpu.kernels",
+  "optax_sparse_adam._backends.cpu.huge_pages",
+  "optax_sparse_adam.flax._nnx",
+  "optax_sparse_adam.flax._grads",
+  "optax_sparse_adam.flax._optimizer",
+  "optax_sparse_adam.torch_compat._sparse_adam",
+  "optax_sparse_adam.torch_compat._parameter",
 ]
 
 

@@ -1,0 +1,189 @@
+"""The fused CPU kernels of a masked Adam step (`kernels.cc`), and when to use them.
+
+XLA:CPU runs gathers and scatters element by element; these two XLA FFI kernels
+do a step's coalescing, moment updates and parameter scatter-add in one pass
+per table instead. They compute `adam.adam_rows` bit for bit, and they are
+used only where they apply: on the CPU, float32 gradient, moments and
+parameter, with no amsgrad, weight decay or per-row bias correction, and arrays
+known to be on one device (XLA cannot partition a custom call: it would gather
+a sharded table onto every device, so possibly sharded tables keep the XLA
+path). Everything else runs XLA ops; `lax.platform_dependent` picks per backend
+when the step is lowered (`_backends.dispatch`). Under `jax.vmap` the kernels run once
+per batch element.
+
+Set `OPTAX_SPARSE_ADAM_CPU_KERNELS=0` (before the first step is traced), or use
+`use_cpu_kernels(False)`, to use the XLA path on the CPU too.
+"""
+
+import contextlib
+import ctypes
+import functools
+import importlib.machinery
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from optax_sparse_adam._backends import dispatch
+from optax_sparse_adam._core import sharding
+
+_ADAM_ROWS = "optax_sparse_adam_adam_rows_f32"
+_SCATTER_ADD_ROWS = "optax_sparse_adam_scatter_add_rows_f32"
+# Under jax.vmap a kernel runs once per batch element (a loop around the call).
+_VMAP_METHOD = "sequential"
+
+
+def _library_path() -> Path | None:
+  here = Path(__file__).resolve().parent
+  for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+    candidate = here / f"_kernels{suffix}"
+    if candidate.exists():
+      return candidate
+  return None
+
+
+@functools.cache
+def available() -> bool:
+  """Whether the CPU kernels were built at install time and registered with XLA.
+
+  Registration happens once, on the first call. False where no C++ compiler
+  was found at install time: sparse_adam then runs XLA ops on the CPU too,
+  with the same results, about 2x slower.
+
+  Returns:
+    True if the fused CPU kernels can be used.
+
+  Example:
+    >>> import optax_sparse_adam as osa
+    >>> osa.cpu_kernels_available() in (True, False)
+    True
+  """
+  path = _library_path()
+  if path is None:
+    return False
+  try:
+    library = ctypes.CDLL(str(path))
+    jax.ffi.register_ffi_target(
+      _ADAM_ROWS, jax.ffi.pycapsule(library.OsaAdamRowsF32), platform="cpu"
+    )
+    jax.ffi.register_ffi_target(
+      _SCATTER_ADD_ROWS, jax.ffi.pycapsule(library.OsaScatterAddRowsF32), platform="cpu"
+    )
+  except (OSError, AttributeError):  # A stale or foreign build: keep the XLA path.
+    return False
+  return True
+
+
+def enabled() -> bool:
+  """Whether steps traced now may use the kernels on the CPU (built, and switched on)."""
+  return dispatch.cpu_kernels_wanted() and available()
+
+
+def applies(arrays: Sequence[Any], *, nse: int, num_rows: int, row_size: int) -> bool:
+  """Whether a kernel may run a step on `arrays` (all float32) at trace time.
+
+  Also needs at least one entry and one row of at least one value, no mesh with
+  Explicit axes and arrays known to be on one device (a custom call cannot be
+  partitioned: XLA would gather a sharded table onto every device), and
+  `enabled()`.
+  """
+  float32 = jnp.dtype(jnp.float32)
+  return (
+    all(jnp.dtype(x.dtype) == float32 for x in arrays)
+    and nse > 0
+    and num_rows > 0
+    and row_size > 0
+    and not sharding.explicit_axes()
+    and enabled()
+    and sharding.on_one_cpu_device(arrays)
+  )
+
+
+@contextlib.contextmanager
+def use_cpu_kernels(enable: bool) -> Iterator[None]:
+  """Within this block, steps *traced* use (or avoid) the fused CPU kernels.
+
+  The kernels are on by default where they apply. Switch them off to run XLA
+  ops on the CPU too, e.g. to `jax.export` a step (the kernels' custom calls
+  carry no serialization guarantee) or to compare the two paths. The setting is
+  part of the key of JAX's trace and compilation caches (a
+  `jax.make_user_context`): a function called or exported inside the block is
+  traced again with the setting, even one already traced outside it.
+  `OPTAX_SPARSE_ADAM_CPU_KERNELS=0` in the environment switches them off
+  everywhere.
+
+  Args:
+    enable: use the kernels (where they apply) or not.
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from jax.experimental import sparse
+    >>> import optax_sparse_adam as osa
+    >>> opt = osa.sparse_adam(0.1)
+    >>> params = jnp.zeros((4, 2))
+    >>> grad = sparse.BCOO((jnp.ones((1, 2)), jnp.array([[1]])), shape=(4, 2))
+    >>> with osa.use_cpu_kernels(False):
+    ...   updates, _ = jax.jit(opt.update)(grad, opt.init(params), params)
+    >>> osa.apply_updates(params, updates)[1].round(3)
+    Array([-0.1, -0.1], dtype=float32)
+  """
+  with dispatch.choose(cpu_kernels=bool(enable)):
+    yield
+
+
+def adam_rows(
+  rows: jax.Array,
+  values: jax.Array,
+  mu: jax.Array,
+  nu: jax.Array,
+  coefficients: jax.Array,
+  *,
+  num_rows: int,
+  maximize: bool,
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+  """The coalesced Adam step of one table on the CPU.
+
+  Tables keep their own shapes (a reshape would make XLA copy an operand the
+  kernel updates in place); the kernel views them as `num_rows` rows.
+
+  Args:
+    rows: int32 `(nse,)` row ids; out-of-range ids are padding.
+    values: float32 `(nse, ...)` gradient entries, one row each.
+    mu, nu: float32 moments of `num_rows` rows; updated in place when donated.
+    coefficients: float32 `(4,)`: `1 - b1`, `1 - b2`, `eps`, the step size.
+    num_rows: the tables' number of rows (the product of their sparse dims).
+    maximize: ascend instead of descend.
+
+  Returns:
+    `(unique_rows, delta, mu, nu)` as in `bcoo.CoalescedRows` and `adam_rows`.
+  """
+  nse = rows.shape[0]
+  out_types = (
+    jax.ShapeDtypeStruct((nse,), jnp.int32),
+    jax.ShapeDtypeStruct(values.shape, jnp.float32),
+    jax.ShapeDtypeStruct(mu.shape, jnp.float32),
+    jax.ShapeDtypeStruct(nu.shape, jnp.float32),
+  )
+  call = jax.ffi.ffi_call(
+    _ADAM_ROWS, out_types, input_output_aliases={2: 2, 3: 3}, vmap_method=_VMAP_METHOD
+  )
+  return call(rows, values, mu, nu, coefficients, num_rows=num_rows, maximize=maximize)
+
+
+def scatter_add_rows(
+  table: jax.Array, rows: jax.Array, values: jax.Array, *, num_rows: int, unique_rows: bool
+) -> jax.Array:
+  """`table[rows] += values` in input order, out-of-range rows dropped; in place when donated.
+
+  `table` keeps its shape and is viewed as `num_rows` rows; `values` holds one
+  row per entry of `rows`. `unique_rows` promises that no in-range row repeats.
+  """
+  call = jax.ffi.ffi_call(
+    _SCATTER_ADD_ROWS,
+    jax.ShapeDtypeStruct(table.shape, jnp.float32),
+    input_output_aliases={0: 0},
+    vmap_method=_VMAP_METHOD,
+  )
+  return call(table, rows, values, num_rows=num_rows, unique_rows=unique_rows)

@@ -1,0 +1,607 @@
+"""BCOO-aware optax building blocks: lift element-wise and norm-based transforms, and combinators.
+
+A `jax.experimental.sparse.BCOO` is a pytree of `(data, indices)`, so an optax
+transform that maps over the gradient tree also maps over the indices:
+`optax.scale(-2.0)` turns row ids into negative floats. The wrappers here hide
+the indices: each BCOO gradient is coalesced (duplicate rows summed, padding
+zeroed) and only its row values are shown to the wrapped transform, next to the
+dense leaves of the same tree. The result is rebuilt as a BCOO with sorted,
+unique indices, so a later transform (e.g. `sparse_adam`) sees a well-formed
+gradient.
+
+Combinators that keep per-parameter state or build their own zero updates
+cannot be lifted this way; `sparse_apply_if_finite` and `sparse_multi_steps`
+replace `optax.apply_if_finite` and `optax.MultiSteps` for BCOO gradients.
+"""
+
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax import lax
+from jax.experimental import sparse
+
+from optax_sparse_adam._core import bcoo
+from optax_sparse_adam._core.errors import describe, path_str
+
+
+def _is_leaf(x: Any) -> bool:
+  return x is None or isinstance(x, sparse.BCOO)
+
+
+def _flatten(tree: Any) -> tuple[list[tuple[Any, Any]], Any]:
+  return jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_leaf)
+
+
+def _param_leaves(treedef: Any, params: Any) -> list[Any]:
+  if params is None:
+    return [None] * treedef.num_leaves
+  try:
+    return treedef.flatten_up_to(params)
+  except (ValueError, TypeError) as err:
+    raise ValueError(
+      f"The params' tree structure differs from the gradients'. Gradients: {treedef}; "
+      f"params: {jax.tree_util.tree_structure(params)}."
+    ) from err
+
+
+def _param_shape(grad: sparse.BCOO, param: Any) -> tuple[int, ...]:
+  return tuple(grad.shape) if param is None else tuple(jnp.shape(param))
+
+
+def _grows_with_params(transform: optax.GradientTransformation, params: Any) -> list[str]:
+  """Paths of state leaves whose shape follows the parameters' shapes.
+
+  The state is built (abstractly) for the params and for params with one more
+  trailing dim; leaves that change shape hold per-parameter (per-entry) state.
+  """
+
+  def grown(p: Any) -> Any:
+    if not hasattr(p, "shape"):
+      return p
+    return jax.ShapeDtypeStruct(tuple(p.shape) + (1,), p.dtype)
+
+  state = jax.eval_shape(transform.init, params)
+  probe = jax.eval_shape(transform.init, jax.tree.map(grown, params))
+  leaves, _ = jax.tree_util.tree_flatten_with_path(state)
+  probe_leaves = jax.tree.leaves(probe)
+  if len(leaves) != len(probe_leaves):
+    return ["<structure>"]
+  return [
+    path_str(path)
+    for (path, a), b in zip(leaves, probe_leaves, strict=True)
+    if getattr(a, "shape", None) != getattr(b, "shape", None)
+  ]
+
+
+class _Lifted(NamedTuple):
+  """Coalesced views of the BCOO leaves of one gradient tree."""
+
+  treedef: Any
+  layouts: list[bcoo.RowLayout | None]
+  rows: list[jax.Array | None]
+  values: list[Any]
+  params: list[Any]
+
+
+def _lift(updates: Any, params: Any, who: str) -> _Lifted:
+  """Coalesces every BCOO leaf; gathers the matching rows of its parameter."""
+  leaves_with_path, treedef = _flatten(updates)
+  param_leaves = _param_leaves(treedef, params)
+  layouts, rows, values, lifted_params = [], [], [], []
+  for (path, grad), param in zip(leaves_with_path, param_leaves, strict=True):
+    if not isinstance(grad, sparse.BCOO):
+      layouts.append(None)
+      rows.append(None)
+      values.append(grad)
+      lifted_params.append(param)
+      continue
+    layout = _row_layout(grad, _param_shape(grad, param), path, who)
+    coalesced = bcoo.coalesce_rows(
+      bcoo.linear_rows(grad.indices, layout), grad.data, layout.num_rows
+    )
+    layouts.append(layout)
+    rows.append(coalesced.rows)
+    values.append(coalesced.values)
+    lifted_params.append(
+      None
+      if param is None
+      else bcoo.gather_rows(bcoo.as_rows(jnp.asarray(param), layout), coalesced.rows)
+    )
+  return _Lifted(treedef, layouts, rows, values, lifted_params)
+
+
+def _row_layout(grad: sparse.BCOO, shape: Sequence[int], path: Any, who: str) -> bcoo.RowLayout:
+  try:
+    return bcoo.row_layout(grad, shape, path)
+  except (TypeError, ValueError) as err:
+    raise type(err)(f"{who}: {err}") from None
+
+
+def _raise_bcoo_state(who: str, inner_paths: list[str], instead: str) -> None:
+  raise ValueError(
+    f"{who} cannot wrap this transformation: its state leaves {inner_paths} have "
+    "the shape of the parameters (per-entry state such as moments or "
+    "accumulators). A BCOO gradient updates only some rows, and the wrapped "
+    "transformation would see row slots, not rows. " + instead
+  )
+
+
+def lift_to_bcoo(inner: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:
+  r"""Applies an element-wise or norm-based transformation to the coalesced rows of BCOO gradients.
+
+  For each BCOO gradient :math:`g` with touched rows :math:`r`, the wrapped
+  transformation sees the dense array :math:`\mathrm{coalesce}(g)_r` of shape
+  `(nse, *row_shape)` (duplicates summed, padding slots zero) in place of the
+  BCOO, and the gathered parameter rows :math:`\theta_r` in place of the
+  parameter; dense leaves are passed through unchanged. Its output is rebuilt
+  as a BCOO on the same rows, with sorted unique indices:
+
+  .. math::
+    \mathrm{lift}(T)(g)_r = T(\mathrm{coalesce}(g)_r, \theta_r)
+
+  This equals the dense transformation restricted to the touched rows for any
+  transformation that acts entry by entry (`optax.scale`, `clip`,
+  `scale_by_learning_rate`, `scale_by_schedule`, `add_decayed_weights`,
+  `zero_nans`) or through a global norm of the whole tree
+  (`clip_by_global_norm`): each row counts once and untouched rows are zero.
+  The indices never reach the wrapped transformation.
+
+  Transformations with per-parameter state (moments, accumulators: `optax.adam`,
+  `optax.ema`, `optax.MultiSteps`) are refused at `init`: use `sparse_adam`,
+  `sparse_multi_steps`, or route those leaves elsewhere with
+  `optax.multi_transform`.
+
+  Args:
+    inner: a stateless or shape-free-state transformation (counts, schedules and
+      scalar flags are fine).
+
+  Returns:
+    An `optax.GradientTransformationExtraArgs` with `inner`'s state.
+
+  Example:
+    >>> import jax.numpy as jnp, optax
+    >>> from jax.experimental import sparse
+    >>> import optax_sparse_adam as osa
+    >>> g = sparse.BCOO((jnp.array([3.0, 1.0]), jnp.array([[2], [2]])), shape=(5,))
+    >>> clip = osa.lift_to_bcoo(optax.clip_by_global_norm(2.0))
+    >>> u, _ = clip.update(g, clip.init(jnp.zeros(5)))
+    >>> u.todense()
+    Array([0., 0., 2., 0., 0.], dtype=float32)
+
+  References:
+    `jax.experimental.sparse.BCOO`,
+    https://docs.jax.dev/en/latest/jax.experimental.sparse.html
+  """
+  inner = optax.with_extra_args_support(inner)
+  who = "lift_to_bcoo"
+
+  def init_fn(params: optax.Params) -> optax.OptState:
+    paths = _grows_with_params(inner, params)
+    if paths:
+      _raise_bcoo_state(
+        who,
+        paths,
+        "Use optax_sparse_adam.sparse_adam/sparse_adamw for Adam, "
+        "sparse_multi_steps for gradient accumulation, or route the BCOO leaves "
+        "away from it with optax.multi_transform.",
+      )
+    return inner.init(params)
+
+  def update_fn(
+    updates: optax.Updates,
+    state: optax.OptState,
+    params: optax.Params | None = None,
+    **extra_args: Any,
+  ) -> tuple[optax.Updates, optax.OptState]:
+    lifted = _lift(updates, params, who)
+    values = lifted.treedef.unflatten(lifted.values)
+    inner_params = None if params is None else lifted.treedef.unflatten(lifted.params)
+    new_values, new_state = inner.update(values, state, inner_params, **extra_args)
+    try:
+      out_leaves = lifted.treedef.flatten_up_to(new_values)
+    except (ValueError, TypeError) as err:
+      raise ValueError(
+        f"{who}: the wrapped transformation changed the updates' tree structure "
+        f"from {lifted.treedef} to {jax.tree_util.tree_structure(new_values)}."
+      ) from err
+    leaves_with_path, _ = _flatten(updates)
+    out = []
+    for (path, _), out_leaf, values_leaf, rows, layout in zip(
+      leaves_with_path, out_leaves, lifted.values, lifted.rows, lifted.layouts, strict=True
+    ):
+      if layout is None:
+        out.append(out_leaf)
+        continue
+      if jnp.shape(out_leaf) != values_leaf.shape:
+        raise ValueError(
+          f"{who}: the wrapped transformation turned the rows of the BCOO "
+          f"gradient at {path_str(path)} of shape {values_leaf.shape} into "
+          f"{describe(out_leaf)}; only element-wise and norm-based "
+          "transformations can be lifted."
+        )
+      valid = (rows < layout.num_rows).reshape((-1,) + (1,) * len(layout.dense_shape))
+      # Padding slots stay zero whatever the wrapped transformation maps 0 to.
+      data = jnp.where(valid, out_leaf, jnp.zeros((), jnp.result_type(out_leaf)))
+      out.append(bcoo.rows_to_bcoo(bcoo.CoalescedRows(rows, data), layout))
+    return lifted.treedef.unflatten(out), new_state
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _empty_like(shapes: Any) -> Any:
+  """Zero updates with the structure (and BCOO metadata) of `shapes`.
+
+  A BCOO becomes all padding: zero data at distinct, sorted, out-of-range
+  indices, which every consumer drops.
+  """
+
+  def empty(s: Any) -> Any:
+    if s is None:
+      return None
+    if isinstance(s, sparse.BCOO):
+      nse, n_sparse = s.indices.shape[-2:]
+      leading = s.shape[s.n_batch] + jnp.arange(nse, dtype=s.indices.dtype)
+      indices = jnp.zeros(s.indices.shape, s.indices.dtype).at[..., 0].set(leading)
+      return sparse.BCOO(
+        (jnp.zeros(s.data.shape, s.data.dtype), indices),
+        shape=s.shape,
+        indices_sorted=s.indices_sorted,
+        unique_indices=s.unique_indices,
+      )
+    return jnp.zeros(s.shape, s.dtype)
+
+  return jax.tree.map(empty, shapes, is_leaf=_is_leaf)
+
+
+def _all_finite(updates: Any, params: Any, who: str) -> jax.Array:
+  """Whether the dense equivalent of `updates` is finite: BCOO padding is ignored."""
+  leaves_with_path, treedef = _flatten(updates)
+  checks = [jnp.array(True)]
+  for (path, leaf), param in zip(leaves_with_path, _param_leaves(treedef, params), strict=True):
+    if leaf is None:
+      continue
+    if isinstance(leaf, sparse.BCOO):
+      layout = _row_layout(leaf, _param_shape(leaf, param), path, who)
+      # A dense sum is non-finite exactly when one of its in-range terms is.
+      valid = bcoo.linear_rows(leaf.indices, layout) < layout.num_rows
+      finite = jnp.isfinite(leaf.data)
+      entry_finite = jnp.all(finite, axis=tuple(range(1, finite.ndim)))
+      checks.append(jnp.all(entry_finite | ~valid))
+    else:
+      checks.append(jnp.all(jnp.isfinite(leaf)))
+  return jnp.all(jnp.stack(checks))
+
+
+def sparse_apply_if_finite(
+  inner: optax.GradientTransformation, max_consecutive_errors: int
+) -> optax.GradientTransformationExtraArgs:
+  """`optax.apply_if_finite` for trees with BCOO gradients.
+
+  Skips the step (zero updates, unchanged inner state) when a gradient is not
+  finite, unless that happened more than `max_consecutive_errors` times in a
+  row. A BCOO gradient is non-finite when an entry with an in-range index is
+  (padding entries are ignored, as in the dense sum). A skipped step emits BCOO
+  updates made only of padding, with the metadata `inner` would emit, so
+  `optax.apply_if_finite`'s failure (`zeros_like` of a BCOO zeroes its indices)
+  cannot happen. The state is `optax.ApplyIfFiniteState`.
+
+  Args:
+    inner: the transformation to guard, e.g. `sparse_adam(...)`.
+    max_consecutive_errors: how many non-finite steps in a row are skipped.
+
+  Returns:
+    An `optax.GradientTransformationExtraArgs`.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from jax.experimental import sparse
+    >>> import optax_sparse_adam as osa
+    >>> opt = osa.sparse_apply_if_finite(osa.sparse_adam(0.1), 3)
+    >>> state = opt.init(jnp.zeros(4))
+    >>> g = sparse.BCOO((jnp.array([jnp.nan]), jnp.array([[1]])), shape=(4,))
+    >>> u, state = opt.update(g, state)
+    >>> u.todense(), int(state.total_notfinite)
+    (Array([0., 0., 0., 0.], dtype=float32), 1)
+  """
+  inner = optax.with_extra_args_support(inner)
+  who = "sparse_apply_if_finite"
+
+  def init_fn(params: optax.Params) -> optax.ApplyIfFiniteState:
+    return optax.ApplyIfFiniteState(
+      notfinite_count=jnp.zeros([], jnp.int32),
+      last_finite=jnp.array(True, jnp.bool_),
+      total_notfinite=jnp.zeros([], jnp.int32),
+      inner_state=inner.init(params),
+    )
+
+  def update_fn(
+    updates: optax.Updates,
+    state: optax.ApplyIfFiniteState,
+    params: optax.Params | None = None,
+    **extra_args: Any,
+  ) -> tuple[optax.Updates, optax.ApplyIfFiniteState]:
+    is_finite = _all_finite(updates, params, who)
+    notfinite_count = jnp.where(
+      is_finite, jnp.zeros([], jnp.int32), optax.safe_increment(state.notfinite_count)
+    )
+
+    def do_update(operands):
+      updates, inner_state, params, extra_args = operands
+      return inner.update(updates, inner_state, params, **extra_args)
+
+    operands = (updates, state.inner_state, params, extra_args)
+    out_shapes, _ = jax.eval_shape(do_update, operands)
+
+    def reject_update(operands):
+      return _empty_like(out_shapes), operands[1]
+
+    new_updates, new_inner_state = lax.cond(
+      is_finite | (notfinite_count > max_consecutive_errors),
+      do_update,
+      reject_update,
+      operands,
+    )
+    return new_updates, optax.ApplyIfFiniteState(
+      notfinite_count=notfinite_count,
+      last_finite=is_finite,
+      total_notfinite=jnp.where(
+        is_finite, state.total_notfinite, optax.safe_increment(state.total_notfinite)
+      ),
+      inner_state=new_inner_state,
+    )
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+class RowBuffer(NamedTuple):
+  """The BCOO gradients of one parameter over the mini-steps of a cycle.
+
+  Attributes:
+    rows: int32 `(every_k * max_nse,)` row ids; out of range for padding.
+    values: `(every_k * max_nse, *row_shape)` gradient rows.
+  """
+
+  rows: jax.Array
+  values: jax.Array
+
+
+class SparseMultiStepsState(NamedTuple):
+  """State of `sparse_multi_steps`.
+
+  Attributes:
+    mini_step: int32 mini-steps done in the current cycle, `0 .. every_k - 1`.
+    gradient_step: int32 number of steps of the inner transformation.
+    inner_opt_state: the inner transformation's state.
+    acc_grads: per parameter, a `RowBuffer` (BCOO gradients) or the running sum
+      of dense gradients.
+  """
+
+  mini_step: jax.Array
+  gradient_step: jax.Array
+  inner_opt_state: Any
+  acc_grads: Any
+
+
+def sparse_multi_steps(
+  inner: optax.GradientTransformation,
+  every_k: int,
+  *,
+  max_nse: int | Any,
+  use_grad_mean: bool = True,
+) -> optax.GradientTransformationExtraArgs:
+  r"""`optax.MultiSteps` for BCOO gradients: accumulate `every_k` mini-steps, then step once.
+
+  .. math::
+    g = \frac{1}{k} \sum_{i=1}^{k} g_i \quad (\text{or the sum}), \qquad
+    u = \mathrm{inner}(g) \text{ every } k \text{ mini-steps, else } 0
+
+  The BCOO gradients of a cycle are kept side by side (not densified) in a
+  buffer of `every_k * max_nse` rows per parameter, and handed to `inner` as
+  one BCOO with duplicate rows, which `sparse_adam` sums; so a row touched in
+  any mini-step of the cycle is updated once, with the mean gradient, exactly
+  as `optax.MultiSteps` does densely on the touched rows. Mini-steps emit
+  all-padding BCOO updates (zero data at out-of-range indices).
+
+  The buffer needs static sizes, fixed at `init`: each BCOO gradient may hold
+  at most `max_nse` entries (fewer are padded, more are refused at trace time)
+  and must index rows (`n_sparse == 1`, as from an embedding lookup). Dense
+  gradients (leaves whose `max_nse` is None) are summed densely.
+
+  Args:
+    inner: the transformation to step, e.g. `sparse_adam(...)` or an
+      `optax.multi_transform` of sparse and dense optimizers.
+    every_k: number of mini-steps per step (a Python int: it sizes the buffer).
+    max_nse: the largest `nse` of the BCOO gradients: an int for every leaf, or a
+      pytree like the params with an int per BCOO leaf and None per dense leaf.
+    use_grad_mean: average the gradients of a cycle (True) or sum them.
+
+  Returns:
+    An `optax.GradientTransformationExtraArgs` whose state is a
+    `SparseMultiStepsState`.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from jax.experimental import sparse
+    >>> import optax_sparse_adam as osa
+    >>> opt = osa.sparse_multi_steps(osa.sparse_adam(0.1), every_k=2, max_nse=1)
+    >>> state = opt.init(jnp.zeros((4, 1)))
+    >>> g = sparse.BCOO((jnp.ones((1, 1)), jnp.array([[2]])), shape=(4, 1))
+    >>> u, state = opt.update(g, state)
+    >>> float(abs(u.todense()).sum())
+    0.0
+    >>> u, state = opt.update(g, state)
+    >>> round(float(u.todense()[2, 0]), 4)
+    -0.1
+
+  References:
+    `optax.MultiSteps`, https://optax.readthedocs.io/en/latest/api/optimizer_wrappers.html
+  """
+  if not isinstance(every_k, int) or isinstance(every_k, bool) or every_k < 1:
+    raise ValueError(
+      f"sparse_multi_steps: every_k must be a Python int >= 1 (it sizes the "
+      f"gradient buffer), got {every_k!r}. Schedules of k are not supported."
+    )
+  inner = optax.with_extra_args_support(inner)
+  who = "sparse_multi_steps"
+
+  def caps_of(params: Any) -> list[Any]:
+    treedef = jax.tree.structure(params)
+    if isinstance(max_nse, int) and not isinstance(max_nse, bool):
+      caps = [max_nse] * treedef.num_leaves
+    else:
+      try:
+        caps = treedef.flatten_up_to(max_nse)
+      except (ValueError, TypeError) as err:
+        raise ValueError(
+          f"{who}: max_nse must be an int or a pytree with the params' structure "
+          f"{treedef} (an int per BCOO leaf, None per dense leaf), got {max_nse!r}."
+        ) from err
+    for path_and_param, cap in zip(
+      jax.tree_util.tree_flatten_with_path(params)[0], caps, strict=True
+    ):
+      if cap is not None and (not isinstance(cap, int) or isinstance(cap, bool) or cap < 1):
+        raise ValueError(
+          f"{who}: max_nse for the parameter at {path_str(path_and_param[0])} must "
+          f"be a positive int or None, got {cap!r}."
+        )
+    return caps
+
+  def init_fn(params: optax.Params) -> SparseMultiStepsState:
+    caps = caps_of(params)
+    leaves, treedef = jax.tree.flatten(params)
+    acc = []
+    for param, cap in zip(leaves, caps, strict=True):
+      param = jnp.asarray(param)
+      if cap is None:
+        acc.append(jnp.zeros_like(param))
+      elif param.ndim < 1:
+        raise ValueError(
+          f"{who}: a scalar parameter cannot take BCOO gradients; set its max_nse to None."
+        )
+      else:
+        size = every_k * cap
+        acc.append(
+          RowBuffer(
+            rows=jnp.full((size,), param.shape[0], jnp.int32),
+            values=jnp.zeros((size,) + param.shape[1:], param.dtype),
+          )
+        )
+    return SparseMultiStepsState(
+      mini_step=jnp.zeros([], jnp.int32),
+      gradient_step=jnp.zeros([], jnp.int32),
+      inner_opt_state=inner.init(params),
+      acc_grads=treedef.unflatten(acc),
+    )
+
+  def update_fn(
+    updates: optax.Updates,
+    state: SparseMultiStepsState,
+    params: optax.Params | None = None,
+    **extra_args: Any,
+  ) -> tuple[optax.Updates, SparseMultiStepsState]:
+    leaves_with_path, treedef = _flatten(updates)
+    acc_leaves = treedef.flatten_up_to(state.acc_grads)
+    new_acc, cycle_grads = [], []
+    for (path, grad), acc in zip(leaves_with_path, acc_leaves, strict=True):
+      if grad is None:
+        new_acc.append(acc)
+      elif isinstance(acc, RowBuffer):
+        new_acc.append(_buffer_rows(grad, acc, state.mini_step, every_k, path, who))
+      elif isinstance(grad, sparse.BCOO):
+        raise TypeError(
+          f"{who}: the gradient at {path_str(path)} is a BCOO but its max_nse was "
+          "None (a dense leaf). Give its largest nse in max_nse."
+        )
+      else:
+        new_acc.append(acc + jnp.asarray(grad).astype(acc.dtype))
+    scale = 1.0 / every_k if use_grad_mean else 1.0
+    for (_, grad), acc in zip(leaves_with_path, new_acc, strict=True):
+      if grad is None:
+        cycle_grads.append(None)
+      elif isinstance(acc, RowBuffer):
+        cycle_grads.append(
+          sparse.BCOO(
+            (
+              (acc.values * jnp.asarray(scale, acc.values.dtype)).astype(grad.dtype),
+              acc.rows[:, None],
+            ),
+            shape=grad.shape,
+          )
+        )
+      else:
+        cycle_grads.append((acc * jnp.asarray(scale, acc.dtype)).astype(jnp.result_type(grad)))
+    cycle_grads = treedef.unflatten(cycle_grads)
+    emit = state.mini_step == every_k - 1
+
+    def do_update(operands):
+      grads, inner_state, params, extra_args = operands
+      return inner.update(grads, inner_state, params, **extra_args)
+
+    operands = (cycle_grads, state.inner_opt_state, params, extra_args)
+    out_shapes, _ = jax.eval_shape(do_update, operands)
+    new_updates, new_inner_state = lax.cond(
+      emit, do_update, lambda ops: (_empty_like(out_shapes), ops[1]), operands
+    )
+    # The buffers are overwritten slot by slot each cycle; only dense sums reset.
+    reset = [
+      acc if isinstance(acc, RowBuffer) else jnp.where(emit, jnp.zeros_like(acc), acc)
+      for acc in new_acc
+    ]
+    return new_updates, SparseMultiStepsState(
+      mini_step=jnp.where(emit, 0, state.mini_step + 1).astype(jnp.int32),
+      gradient_step=jnp.where(emit, optax.safe_increment(state.gradient_step), state.gradient_step),
+      inner_opt_state=new_inner_state,
+      acc_grads=treedef.unflatten(reset),
+    )
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _buffer_rows(
+  grad: Any, buffer: RowBuffer, mini_step: jax.Array, every_k: int, path: Any, who: str
+) -> RowBuffer:
+  """Writes a BCOO gradient into its mini-step's slot of the buffer, padded to the slot."""
+  cap = buffer.rows.shape[0] // every_k
+  if not isinstance(grad, sparse.BCOO):
+    raise TypeError(
+      f"{who}: the gradient at {path_str(path)} is dense ({describe(grad)}) but "
+      "its max_nse declares a BCOO leaf. Set its max_nse to None."
+    )
+  num_rows = int(grad.shape[0]) if grad.ndim else 0
+  layout = _row_layout(grad, grad.shape, path, who)
+  if grad.n_sparse != 1:
+    raise ValueError(
+      f"{who}: the BCOO gradient at {path_str(path)} has n_sparse={grad.n_sparse}; "
+      "the accumulation buffer holds whole rows (n_sparse=1). Convert it with "
+      "jax.experimental.sparse.bcoo_update_layout(grad, n_dense=grad.ndim - 1)."
+    )
+  if grad.nse > cap:
+    raise ValueError(
+      f"{who}: the BCOO gradient at {path_str(path)} has nse={grad.nse} entries "
+      f"but the buffer holds max_nse={cap} per mini-step; the nse of its "
+      f"gradients varies beyond what init sized. Build sparse_multi_steps with "
+      f"max_nse >= {grad.nse} for this leaf, or fix the nse with "
+      "grad.sum_duplicates(nse=...)."
+    )
+  if buffer.values.shape[1:] != tuple(layout.dense_shape):
+    raise ValueError(
+      f"{who}: the BCOO gradient at {path_str(path)} has rows of shape "
+      f"{layout.dense_shape}, but the buffer was built for {buffer.values.shape[1:]}."
+    )
+  rows = bcoo.linear_rows(grad.indices, layout)
+  pad = cap - grad.nse
+  rows = jnp.concatenate([rows, jnp.full((pad,), num_rows, jnp.int32)])
+  values = jnp.concatenate(
+    [
+      grad.data.astype(buffer.values.dtype),
+      jnp.zeros((pad,) + layout.dense_shape, buffer.values.dtype),
+    ]
+  )
+  start = mini_step * cap
+  return RowBuffer(
+    rows=lax.dynamic_update_slice_in_dim(buffer.rows, rows, start, axis=0),
+    values=lax.dynamic_update_slice_in_dim(buffer.values, values, start, axis=0),
+  )

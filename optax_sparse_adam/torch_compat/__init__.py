@@ -1,0 +1,35 @@
+"""A drop-in `torch.optim.SparseAdam` for JAX arrays, for people porting PyTorch recipes.
+
+    from optax_sparse_adam.torch_compat import Parameter, SparseAdam
+
+    table = Parameter(jnp.zeros((num_embeddings, dim)))
+    opt = SparseAdam([table], lr=1e-3)
+    table.grad = bcoo_grad          # a jax.experimental.sparse.BCOO
+    opt.step()                       # rebinds table.data
+    opt.zero_grad()
+
+It has the behaviour of `torch.optim.SparseAdam` and `torch.optim.Optimizer`:
+param groups, `state_dict`/`load_state_dict` in torch's layout (checkpoints move
+both ways between torch and JAX), hooks, `zero_grad`, and bit-for-bit torch's
+float32 numerics. The arithmetic is the library's one implementation
+(`adam.sparse_adam_leaf_step`); torch is never imported unless a torch tensor
+or checkpoint is handed in.
+"""
+
+from optax_sparse_adam.torch_compat._convert import load_torch_checkpoint as load_torch_checkpoint
+from optax_sparse_adam.torch_compat._convert import save_torch_checkpoint as save_torch_checkpoint
+from optax_sparse_adam.torch_compat._convert import state_dict_to_torch as state_dict_to_torch
+from optax_sparse_adam.torch_compat._hooks import RemovableHandle as RemovableHandle
+from optax_sparse_adam.torch_compat._optimizer import Optimizer as Optimizer
+from optax_sparse_adam.torch_compat._parameter import Parameter as Parameter
+from optax_sparse_adam.torch_compat._sparse_adam import SparseAdam as SparseAdam
+
+__all__ = (
+  "Optimizer",
+  "Parameter",
+  "RemovableHandle",
+  "SparseAdam",
+  "load_torch_checkpoint",
+  "save_torch_checkpoint",
+  "state_dict_to_torch",
+)

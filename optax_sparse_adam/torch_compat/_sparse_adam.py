@@ -1,0 +1,260 @@
+"""`SparseAdam`: `torch.optim.SparseAdam` over JAX arrays, on the library's one step."""
+
+from typing import Any
+
+import numpy as np
+from jax.experimental import sparse
+
+from optax_sparse_adam._core import bcoo
+from optax_sparse_adam.torch_compat import _convert, _step
+from optax_sparse_adam.torch_compat._optimizer import Optimizer, iter_params, with_step_hooks
+from optax_sparse_adam.torch_compat._parameter import Parameter
+
+_DENSE_GRAD = "SparseAdam does not support dense gradients, please consider Adam instead"
+_STATE_KEYS = ("step", "exp_avg", "exp_avg_sq")
+
+
+def _complex_params(groups: list[dict[str, Any]], first_index: int = 0) -> list[list[int]]:
+  return [
+    [gi + first_index, pi]
+    for gi, pi, p in iter_params(groups)
+    if np.issubdtype(np.dtype(p.dtype), np.complexfloating)
+  ]
+
+
+def _complex_error(indices: list[list[int]]) -> ValueError:
+  return ValueError(
+    f"Complex params at indices {indices}: SparseAdam does not support complex parameters"
+  )
+
+
+def _as_step(value: Any, where: str) -> int:
+  """A loaded `'step'` as a Python int, as torch's SparseAdam stores it."""
+  host = value
+  if _convert.is_array(value):
+    host = _convert.to_numpy(value)
+    if host.size != 1:
+      raise ValueError(
+        f"loaded state dict has a 'step' of shape {host.shape} for {where}; "
+        "expected a non-negative integer"
+      )
+    host = host.reshape(()).item()
+  if isinstance(host, bool) or not isinstance(host, (int, float)):
+    raise ValueError(
+      f"loaded state dict has a non-integer 'step' {value!r} for {where}; "
+      "expected a non-negative integer"
+    )
+  if isinstance(host, float) and not host.is_integer():
+    raise ValueError(
+      f"loaded state dict has a non-integer 'step' {value!r} for {where}; "
+      "expected a non-negative integer"
+    )
+  if host < 0:
+    raise ValueError(
+      f"loaded state dict has a negative 'step' {value!r} for {where}; "
+      "expected a non-negative integer"
+    )
+  return int(host)
+
+
+def _as_moment(value: Any, param: Parameter, key: str, where: str) -> Any:
+  """A loaded moment as a fresh jax.Array in the param's dtype, on its device."""
+  import jax
+  import jax.numpy as jnp
+
+  if not (_convert.is_array(value) or isinstance(value, (list, tuple))):
+    raise ValueError(
+      f"loaded state dict has {key!r} of type {type(value).__name__} for {where}; expected an array"
+    )
+  host = _convert.to_numpy(value) if _convert.is_torch_tensor(value) else value
+  shape = tuple(np.shape(host))
+  if shape != param.shape:
+    raise ValueError(
+      f"loaded state dict has {key!r} of shape {shape} for {where}, whose "
+      f"parameter has shape {param.shape}; they must be equal"
+    )
+  # A fresh buffer: the next step donates it, so it must not be the caller's.
+  array = jnp.array(host, dtype=param.dtype, copy=True)
+  if not param.data.committed:
+    return array  # placed as the param is; committing it would recompile the step
+  return jax.device_put(array, param.data.sharding)
+
+
+class SparseAdam(Optimizer):
+  r"""`torch.optim.SparseAdam` for `Parameter`s holding JAX arrays and BCOO gradients.
+
+  For each parameter with a gradient, its step :math:`t` advances and, with
+  :math:`g` the gradient with duplicate indices summed and :math:`r` the rows
+  it touches,
+
+  .. math::
+    m_r &\leftarrow m_r + (1 - \beta_1)(g_r - m_r) \\
+    v_r &\leftarrow v_r + (1 - \beta_2)(g_r^2 - v_r) \\
+    \theta_r &\leftarrow \theta_r - \alpha \frac{\sqrt{1 - \beta_2^t}}{1 - \beta_1^t}
+      \frac{m_r}{\sqrt{v_r} + \epsilon}
+
+  and nothing else changes. The step size is computed on the host in float64,
+  as torch does, so float32 results match torch bit for bit.
+
+  One `step()` updates every parameter that has a gradient in one compiled
+  call, donating the parameters' and moments' buffers. Hyper-parameters enter
+  as arrays: editing `param_groups` between steps does not recompile; a new
+  set of gradient shapes (or of parameters with gradients) does.
+
+  Args:
+    params: an iterable of `Parameter`s, of `(name, Parameter)` pairs, or of
+      dicts defining param groups (each with `'params'` and any options).
+    lr: learning rate: a float, or a 1-element array (the step size is then
+      computed in the array's dtype, as torch does with a tensor lr).
+    betas: decay rates of the first and second moments.
+    eps: added to :math:`\sqrt{v}` in the denominator.
+    maximize: ascend the objective instead of descending it.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from jax.experimental import sparse
+    >>> from optax_sparse_adam.torch_compat import Parameter, SparseAdam
+    >>> table = Parameter(jnp.zeros((4, 2)))
+    >>> opt = SparseAdam([table], lr=0.1)
+    >>> table.grad = sparse.BCOO((jnp.ones((1, 2)), jnp.array([[2]])), shape=(4, 2))
+    >>> opt.step()
+    >>> table.data[2]
+    Array([-0.09999996, -0.09999996], dtype=float32)
+    >>> opt.state[table]["step"]
+    1
+
+  References:
+    `torch.optim.SparseAdam`,
+    https://pytorch.org/docs/stable/generated/torch.optim.SparseAdam.html
+  """
+
+  def __init__(
+    self,
+    params: Any,
+    lr: Any = 1e-3,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    maximize: bool = False,
+  ) -> None:
+    self._initialized = False
+    if _convert.is_array(lr) and _convert.to_numpy(lr).size != 1:
+      raise ValueError("Tensor lr must be 1-element")
+    if not 0.0 < _step.lr_value(lr):
+      raise ValueError(f"Invalid learning rate: {lr}")
+    if not 0.0 < eps:
+      raise ValueError(f"Invalid epsilon value: {eps}")
+    if not 0.0 <= betas[0] < 1.0:
+      raise ValueError(f"Invalid beta parameter at index 0: {betas[0]}")
+    if not 0.0 <= betas[1] < 1.0:
+      raise ValueError(f"Invalid beta parameter at index 1: {betas[1]}")
+    defaults = {"lr": lr, "betas": betas, "eps": eps, "maximize": maximize}
+    super().__init__(params, defaults)
+    complex_params = _complex_params(self.param_groups)
+    if complex_params:
+      raise _complex_error(complex_params)
+    self._initialized = True
+
+  def _check_param_group(self, param_group: dict[str, Any], index: int) -> None:
+    if _convert.is_array(param_group["lr"]):
+      _step.lr_value(param_group["lr"], f"param group {index}'s lr")
+    if self._initialized:
+      complex_params = _complex_params([param_group], first_index=index)
+      if complex_params:
+        raise _complex_error(complex_params)
+
+  def _check_loaded_group(self, group: dict[str, Any], where: str) -> None:
+    _step.group_hyperparams(group, where)
+
+  def _load_param_state(self, param: Parameter, value: Any, where: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+      raise ValueError(
+        f"loaded state dict has a {type(value).__name__} as the state of {where}; "
+        f"expected a dict with keys {list(_STATE_KEYS)}"
+      )
+    if not value:
+      return {}
+    missing = [key for key in _STATE_KEYS if key not in value]
+    if missing:
+      raise ValueError(
+        f"loaded state dict is missing {missing} in the state of {where}; "
+        f"SparseAdam keeps {list(_STATE_KEYS)} per parameter"
+      )
+    state = dict(value)  # other keys are kept as they are, as torch keeps them
+    state["step"] = _as_step(value["step"], where)
+    state["exp_avg"] = _as_moment(value["exp_avg"], param, "exp_avg", where)
+    state["exp_avg_sq"] = _as_moment(value["exp_avg_sq"], param, "exp_avg_sq", where)
+    return state
+
+  @with_step_hooks
+  def step(self, closure: Any = None) -> Any:
+    """Performs one optimization step of every parameter that has a gradient.
+
+    A parameter whose `.grad` is None is skipped (its step does not advance);
+    an empty BCOO advances its step and changes nothing else. Every gradient
+    is checked before anything changes.
+
+    Args:
+      closure: an optional callable that recomputes the loss (and may set the
+        gradients); it is called first and its result returned.
+
+    Returns:
+      The closure's loss, or None.
+    """
+    loss = None
+    if closure is not None:
+      loss = closure()
+
+    todo = []
+    for gi, group in enumerate(self.param_groups):
+      where = f"param_groups[{gi}]"
+      hyper = None
+      for pi, p in enumerate(group["params"]):
+        grad = p.grad
+        if grad is None:
+          continue
+        path = (f"{where}['params'][{pi}]",)
+        if not isinstance(grad, sparse.BCOO):
+          shape = getattr(grad, "shape", None)
+          raise RuntimeError(
+            f"{_DENSE_GRAD} ({path[0]} has a dense gradient of type "
+            f"{type(grad).__name__}{'' if shape is None else f' with shape {tuple(shape)}'})"
+          )
+        bcoo.row_layout(grad, p.shape, path)
+        if hyper is None:
+          hyper = _step.group_hyperparams(group, where)
+        todo.append((p, grad, hyper))
+    if not todo:
+      return loss
+
+    import jax.numpy as jnp
+
+    params, exp_avgs, exp_avg_sqs, grads, scalars, steps = [], [], [], [], [], []
+    for p, grad, hyper in todo:
+      state = self.state.get(p) or {}
+      step = state.get("step", 0) + 1
+      params.append(p.data)
+      exp_avgs.append(state["exp_avg"] if state else jnp.zeros_like(p.data))
+      exp_avg_sqs.append(state["exp_avg_sq"] if state else jnp.zeros_like(p.data))
+      grads.append(grad)
+      scalars.append(_step.host_scalars(hyper, step, _step.compute_dtype(p, grad)))
+      steps.append(step)
+
+    # Parameters built from one array share its buffer, which cannot be donated twice.
+    donated: set[int] = set()
+    for arrays in (params, exp_avgs, exp_avg_sqs):
+      for i, array in enumerate(arrays):
+        if id(array) in donated:
+          arrays[i] = jnp.copy(array)
+        donated.add(id(arrays[i]))
+    new_params, new_exp_avgs, new_exp_avg_sqs = _step.fused_step(
+      params, exp_avgs, exp_avg_sqs, grads, scalars, np.zeros((), np.int32)
+    )
+    for (p, _, _), data, exp_avg, exp_avg_sq, step in zip(
+      todo, new_params, new_exp_avgs, new_exp_avg_sqs, steps, strict=True
+    ):
+      p.data = data
+      state = self.state[p]
+      state["step"] = step
+      state["exp_avg"] = exp_avg
+      state["exp_avg_sq"] = exp_avg_sq
+    return loss

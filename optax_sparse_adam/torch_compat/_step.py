@@ -1,0 +1,179 @@
+"""The torch adapter's step: every parameter with a gradient updated in one compiled call.
+
+Hyper-parameters reach the compiled function as arrays, never as constants, so
+editing `lr`, `betas`, `eps` or `maximize` between steps does not recompile.
+The scalars are computed on the host in float64 as torch computes them (the
+step size with `adam.torch_step_size`) and rounded once to the compute dtype,
+which is what torch does when it multiplies a float32 tensor by a Python float.
+"""
+
+import functools
+import math
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import sparse
+
+from optax_sparse_adam._core import adam, bcoo
+from optax_sparse_adam.torch_compat import _convert
+
+# Positions in the per-parameter scalar vector.
+_STEP_SIZE, _ONE_MINUS_B1, _ONE_MINUS_B2, _EPS, _SIGN, _LR, _LOG_B1, _LOG_B2 = range(8)
+
+
+class GroupHyperparams(NamedTuple):
+  """A param group's options, checked and converted for the host arithmetic.
+
+  `lr` is a Python float, or a 0-d floating NumPy array when the group holds a
+  1-element array: torch then computes the step size in that array's dtype.
+  """
+
+  lr: float | np.ndarray
+  b1: float
+  b2: float
+  eps: float
+  maximize: bool
+
+
+def _number(value: Any, what: str) -> float:
+  if isinstance(value, bool) or value is None or isinstance(value, (str, bytes)):
+    raise TypeError(f"{what} must be a number, but got {value!r}")
+  if _convert.is_array(value):
+    host = _convert.to_numpy(value)
+    if host.size != 1:
+      raise ValueError(f"{what} must be a number, but got an array of shape {host.shape}")
+    return float(host.reshape(()))
+  try:
+    return float(value)
+  except (TypeError, ValueError) as err:
+    raise TypeError(f"{what} must be a number, but got {value!r}") from err
+
+
+def lr_value(lr: Any, what: str = "lr") -> float | np.ndarray:
+  """A Python float, or a 0-d floating NumPy array for a 1-element array lr."""
+  if _convert.is_array(lr):
+    host = _convert.to_numpy(lr)
+    if host.size != 1:
+      raise ValueError(f"Tensor lr must be 1-element: {what} has shape {tuple(host.shape)}")
+    if np.issubdtype(host.dtype, np.floating):
+      return np.array(host.reshape(()))
+    return float(host.reshape(()))
+  return _number(lr, what)
+
+
+def group_hyperparams(group: dict, where: str) -> GroupHyperparams:
+  """Reads and checks the options of one param group; `where` names it in errors."""
+  for key in ("lr", "betas", "eps"):
+    if key not in group:
+      raise ValueError(f"{where} has no {key!r} option; SparseAdam needs lr, betas and eps.")
+  betas = group["betas"]
+  if _convert.is_array(betas):
+    betas = list(_convert.to_numpy(betas).reshape(-1))
+  try:
+    b1, b2 = betas
+  except (TypeError, ValueError) as err:
+    raise ValueError(
+      f"{where}['betas'] must be a pair (beta1, beta2), but got {group['betas']!r}"
+    ) from err
+  maximize = group.get("maximize", False)
+  if _convert.is_array(maximize):
+    maximize = bool(_convert.to_numpy(maximize).reshape(()))
+  return GroupHyperparams(
+    lr=lr_value(group["lr"], f"{where}['lr']"),
+    b1=_number(b1, f"{where}['betas'][0]"),
+    b2=_number(b2, f"{where}['betas'][1]"),
+    eps=_number(group["eps"], f"{where}['eps']"),
+    maximize=bool(maximize),
+  )
+
+
+def step_size(lr: float | np.ndarray, b1: float, b2: float, step: int) -> Any:
+  """torch's step size: float64 for a float lr, else in the dtype of a tensor lr.
+
+  With a tensor lr torch evaluates `lr * sqrt(bc2) / bc1` as tensor-by-scalar
+  operations, each rounded to the tensor's dtype.
+  """
+  if isinstance(lr, np.ndarray):
+    t = lr.dtype.type
+    bias_correction1 = 1 - b1**step
+    bias_correction2 = 1 - b2**step
+    return t(t(lr * t(math.sqrt(bias_correction2))) / t(bias_correction1))
+  return adam.torch_step_size(lr, b1, b2, step)
+
+
+def host_scalars(hyper: GroupHyperparams, step: int, compute_dtype: Any) -> np.ndarray:
+  """The per-parameter scalar vector, each entry rounded once to `compute_dtype`."""
+
+  def log(b: float) -> float:
+    return math.log(b) if b > 0 else -math.inf
+
+  values = [0.0] * 8
+  values[_STEP_SIZE] = step_size(hyper.lr, hyper.b1, hyper.b2, step)
+  values[_ONE_MINUS_B1] = 1.0 - hyper.b1
+  values[_ONE_MINUS_B2] = 1.0 - hyper.b2
+  values[_EPS] = hyper.eps
+  values[_SIGN] = -1.0 if hyper.maximize else 1.0
+  values[_LR] = hyper.lr
+  values[_LOG_B1] = log(hyper.b1)
+  values[_LOG_B2] = log(hyper.b2)
+  return np.array([np.asarray(v).astype(compute_dtype) for v in values], dtype=compute_dtype)
+
+
+def compute_dtype(param: Any, grad: sparse.BCOO) -> Any:
+  """The dtype `adam.sparse_adam_leaf_step` computes in, for moments in the param's dtype."""
+  return np.dtype(jnp.result_type(jnp.float32, grad.dtype, param.dtype))
+
+
+def _signed(grad: sparse.BCOO, sign: jax.Array) -> sparse.BCOO:
+  # Negating before coalescing equals torch's `-grad` exactly: rounding is symmetric.
+  return sparse.BCOO(
+    (grad.data * sign.astype(grad.dtype), grad.indices),
+    shape=grad.shape,
+    indices_sorted=grad.indices_sorted,
+    unique_indices=grad.unique_indices,
+  )
+
+
+@functools.partial(jax.jit, donate_argnums=(0, 1, 2))
+def fused_step(
+  params: Sequence[jax.Array],
+  exp_avgs: Sequence[jax.Array],
+  exp_avg_sqs: Sequence[jax.Array],
+  grads: Sequence[sparse.BCOO],
+  scalars: Sequence[jax.Array],
+  opaque_zero: jax.Array,
+) -> tuple[list[jax.Array], list[jax.Array], list[jax.Array]]:
+  """One SparseAdam step of every listed parameter; params and moments are donated.
+
+  `opaque_zero` is an int32 zero given at run time, so that the core rounds
+  every product as torch does (no FMA contraction): bit-exact float32.
+  """
+  new_params, new_exp_avgs, new_exp_avg_sqs = [], [], []
+  for param, exp_avg, exp_avg_sq, grad, s in zip(
+    params, exp_avgs, exp_avg_sqs, grads, scalars, strict=True
+  ):
+    coeffs = adam.AdamCoefficients(
+      learning_rate=s[_LR],
+      one_minus_b1=s[_ONE_MINUS_B1],
+      one_minus_b2=s[_ONE_MINUS_B2],
+      log_b1=s[_LOG_B1],
+      log_b2=s[_LOG_B2],
+      eps=s[_EPS],
+      # A Python zero takes the core's static no-decay path.
+      weight_decay=0.0,
+    )
+    update, leaf = adam.sparse_adam_leaf_step(
+      _signed(grad, s[_SIGN]),
+      adam.LeafState(jnp.zeros([], jnp.int32), exp_avg, exp_avg_sq),
+      None,
+      coeffs,
+      step_size=s[_STEP_SIZE],
+      opaque_zero=opaque_zero,
+    )
+    new_params.append(bcoo.scatter_add_bcoo(param, update))
+    new_exp_avgs.append(leaf.mu)
+    new_exp_avg_sqs.append(leaf.nu)
+  return new_params, new_exp_avgs, new_exp_avg_sqs
