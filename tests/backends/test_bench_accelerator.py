@@ -18,7 +18,7 @@ def test_small_run_prints_every_row(capsys):
   out = capsys.readouterr().out
   assert "plain/ours" in out and "torch/ours" in out and "dense/ours" in out
   table = [line for line in out.splitlines() if line.count(" | ") == 2]
-  assert len(table) == 4  # two sizes x two id streams, one batch size
+  assert len(table) == 1 + 4  # the header; two sizes x two id streams, one batch size
   assert "flat in V" in out
   assert "effective bandwidth" in out
   assert "dense/sparse" in out or "flax is not installed" in out
