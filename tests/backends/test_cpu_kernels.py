@@ -17,7 +17,9 @@ from jax.experimental import sparse
 
 import optax_sparse_adam as osa
 from optax_sparse_adam._backends.cpu import kernels
-from tests._helpers import train_step
+from tests._helpers import cpu_only, train_step
+
+pytestmark = cpu_only("the fused CPU kernels run, and equal the XLA ops bit for bit,")
 
 # CI sets this: there the kernels must have been built, not silently skipped.
 REQUIRE_KERNELS = os.environ.get("OPTAX_SPARSE_ADAM_REQUIRE_CPU_KERNELS") == "1"
