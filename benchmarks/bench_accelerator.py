@@ -43,7 +43,7 @@ import optax
 from jax.experimental import sparse
 
 import optax_sparse_adam as osa
-from optax_sparse_adam._backends import dispatch
+from optax_sparse_adam._backends import choice
 
 try:
   import torch
@@ -92,8 +92,8 @@ def time_sparse_adam(num_rows, dim, ids, values, *, steps, repeats, forced=None)
 
   params = {"t": jnp.zeros((num_rows, dim), jnp.float32)}
   carry = [params, opt.init(params)]
-  choice = contextlib.nullcontext() if forced is None else dispatch.choose(forced=forced)
-  with choice:
+  setting = contextlib.nullcontext() if forced is None else choice.choose(forced=forced)
+  with setting:
     jitted = jax.jit(run, donate_argnums=(0, 1))
 
     def call():
@@ -229,8 +229,8 @@ def ratio(a: float | None, b: float | None) -> str:
 
 def single_table_rows(args) -> None:
   rng = np.random.default_rng(0)
-  paths = [("default path", None), ("accelerator step", dispatch.ACCELERATOR)]
-  paths.append(("generic XLA step", dispatch.GENERIC_XLA))
+  paths = [("default path", None), ("accelerator step", choice.ACCELERATOR)]
+  paths.append(("generic XLA step", choice.GENERIC_XLA))
   ours_by_size: dict[tuple[str, int], dict[int, float]] = {}
   print(
     f"\nsparse_adam + apply_updates, D={args.dim} float32, ms per step "

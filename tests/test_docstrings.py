@@ -7,7 +7,9 @@ import pytest
 
 MODULES = [
   "optax_sparse_adam._core.transform",
+  "optax_sparse_adam._core.apply",
   "optax_sparse_adam._core.composition",
+  "optax_sparse_adam._core.multi_steps",
   "optax_sparse_adam._core.checks",
   "optax_sparse_adam._backends.cpu.kernels",
   "optax_sparse_adam._backends.cpu.huge_pages",

@@ -20,13 +20,14 @@ element-wise arithmetic).
 """
 
 from collections.abc import Sequence
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from optax_sparse_adam._core import adam, bcoo
+from optax_sparse_adam._backends import xla
+from optax_sparse_adam._core import bcoo
+from optax_sparse_adam._core.adam import RowsStep, StepOptions, TableState
 
 
 def coalesce_and_gather_rows(
@@ -85,11 +86,18 @@ def coalesce_rows(rows: jax.Array, values: jax.Array, num_rows: int) -> bcoo.Coa
 
 
 def rows_step(
-  rows: jax.Array, values: jax.Array, tables: tuple, **options: Any
-) -> tuple[jax.Array, jax.Array, tuple, jax.Array | None]:
-  """`adam._xla_rows_step` (same arguments and results), coalescing by one sort.
+  rows: jax.Array,
+  values: jax.Array,
+  tables: TableState,
+  *,
+  layout: bcoo.RowLayout,
+  options: StepOptions,
+) -> RowsStep:
+  """`xla.rows_step` (same arguments and results), coalescing by one sort.
 
   Every option of the generic step is supported: the two differ only in how
   the distinct rows and their summed gradients are found.
   """
-  return adam._xla_rows_step(rows, values, tables, coalesce=coalesce_and_gather_rows, **options)
+  return xla.rows_step(
+    rows, values, tables, layout=layout, options=options, coalesce=coalesce_and_gather_rows
+  )

@@ -1,89 +1,91 @@
-"""Which rows step a traced step runs on each backend, and the switches that choose it.
+"""The one place that decides how a step runs: CPU kernels, the accelerator step, or XLA ops.
 
-A step is traced once and lowered per backend: `lax.platform_dependent` picks
-the CPU kernels (or the generic XLA ops where they do not apply) on the CPU,
-the accelerator step (`_backends.accelerator`: one sort, no while loop) on CUDA, ROCm
-and TPU, and the generic XLA ops on any other backend.
-
-The switches are a `jax.make_user_context`: their value is part of the key of
-JAX's trace, lowering and compilation caches, so a function traced after a
-switch changes is traced again, even one that was traced before under a fresh
-`jax.jit` (what `jax.export` does).
+Both `rows_step` (the masked Adam step of one parameter) and `scatter_add`
+(`apply_updates` of one parameter) come here. What can be decided at trace
+time (dtypes, options, the switches of `choice`) is decided here in Python;
+what depends on the backend the step is lowered for is left to
+`lax.platform_dependent`, so one traced step lowers to the CPU kernels (where
+they apply, else the generic XLA ops) on the CPU, to the accelerator step
+(`accelerator`: one sort, no loop) on CUDA, ROCm and TPU, and to the generic
+XLA ops (`xla`) on any other backend. Every path returns the same results: on
+the CPU all three agree bit for bit (tests/backends).
 """
 
-import contextlib
-import os
-from collections.abc import Callable, Iterator
-from typing import Any, NamedTuple
+from collections.abc import Callable
+from typing import Any
 
 import jax
 from jax import lax
 
-ACCELERATOR = "accelerator"
-GENERIC_XLA = "generic_xla"
-_PATHS = (ACCELERATOR, GENERIC_XLA)
-_ENV_FLAG = "OPTAX_SPARSE_ADAM_CPU_KERNELS"
+from optax_sparse_adam._backends import accelerator, choice, xla
+from optax_sparse_adam._backends.cpu import kernels
+from optax_sparse_adam._core.adam import RowsStep, StepOptions, TableState
+from optax_sparse_adam._core.bcoo import RowLayout
+
+
+def rows_step(
+  rows: jax.Array,
+  values: jax.Array,
+  tables: TableState,
+  *,
+  layout: RowLayout,
+  options: StepOptions,
+) -> RowsStep:
+  """One parameter's masked step on the backend it is lowered for (see `xla.rows_step`)."""
+
+  def generic(rows, values, tables):
+    return xla.rows_step(rows, values, tables, layout=layout, options=options)
+
+  def on_accelerator(rows, values, tables):
+    return accelerator.rows_step(rows, values, tables, layout=layout, options=options)
+
+  on_cpu = generic
+  if kernels.step_applies(values, tables, layout=layout, options=options):
+
+    def on_cpu(rows, values, tables):
+      return kernels.rows_step(rows, values, tables, layout=layout, options=options)
+
+  return _by_backend(
+    (rows, values, tables), cpu=on_cpu, accelerator=on_accelerator, generic=generic
+  )
+
+
+def scatter_add(
+  param: jax.Array,
+  rows: jax.Array,
+  values: jax.Array,
+  *,
+  layout: RowLayout,
+  unique_rows: bool,
+  sorted_rows: bool,
+) -> jax.Array:
+  """`param[rows] += values` on the backend it is lowered for; padding rows dropped."""
+
+  def generic(param, rows, values):
+    return xla.scatter_add(
+      param, rows, values, layout=layout, unique_rows=unique_rows, sorted_rows=sorted_rows
+    )
+
+  on_cpu = generic
+  if kernels.scatter_add_applies(param, values, layout=layout):
+
+    def on_cpu(param, rows, values):
+      # The kernel takes the parameter in its own shape: a reshaped operand that
+      # it updates in place would be copied by XLA.
+      return kernels.scatter_add_rows(
+        param, rows, values, num_rows=layout.num_rows, unique_rows=unique_rows
+      )
+
+  # Accelerators add as the generic path does: one scatter-add, no sort. An
+  # update from sparse_adam repeats no row (its padding rows are dropped), but
+  # its flags mirror the gradient's, so they cannot promise that to XLA.
+  return _by_backend((param, rows, values), cpu=on_cpu, accelerator=generic, generic=generic)
+
+
 _ACCELERATOR_PLATFORMS = ("cuda", "rocm", "tpu")
 
 
-class PathChoice(NamedTuple):
-  """The switches in force while a step is traced (hashable: part of JAX's cache keys).
-
-  Attributes:
-    cpu_kernels: use the fused CPU kernels where they apply; None follows
-      `OPTAX_SPARSE_ADAM_CPU_KERNELS` (default on).
-    forced: private, for tests and benchmarks: `ACCELERATOR` or `GENERIC_XLA`
-      runs that rows step on every backend, the CPU included; None picks by
-      backend.
-  """
-
-  cpu_kernels: bool | None = None
-  forced: str | None = None
-
-
-_make_user_context = getattr(jax, "make_user_context", None)
-if _make_user_context is not None:
-  _CHOICE = _make_user_context(PathChoice())
-else:  # pragma: no cover - JAX without user contexts: the switch is not in the cache key
-  _CHOICE = None
-  _fallback_stack: list[PathChoice] = [PathChoice()]
-
-
-def current() -> PathChoice:
-  """The switches in force now."""
-  if _CHOICE is None:  # pragma: no cover
-    return _fallback_stack[-1]
-  return _CHOICE.value
-
-
-@contextlib.contextmanager
-def choose(**changes: Any) -> Iterator[None]:
-  """Within this block, steps traced use `current()` with `changes` (fields of `PathChoice`)."""
-  choice = current()._replace(**changes)
-  if choice.forced not in (None, *_PATHS):
-    raise ValueError(f"forced path {choice.forced!r}; expected one of {_PATHS} or None")
-  if _CHOICE is None:  # pragma: no cover
-    _fallback_stack.append(choice)
-    try:
-      yield
-    finally:
-      _fallback_stack.pop()
-    return
-  with _CHOICE(choice):
-    yield
-
-
-def cpu_kernels_wanted() -> bool:
-  """Whether the switches ask for the CPU kernels (they may still not apply)."""
-  choice = current()
-  if choice.forced is not None:
-    return False
-  if choice.cpu_kernels is not None:
-    return choice.cpu_kernels
-  return os.environ.get(_ENV_FLAG, "1") != "0"
-
-
-def by_backend(
+def _by_backend(
   args: tuple,
   *,
   cpu: Callable[..., Any],
@@ -93,13 +95,12 @@ def by_backend(
   """`cpu(*args)` on the CPU, `accelerator(*args)` on CUDA/ROCm/TPU, `generic(*args)` elsewhere.
 
   Chosen when the step is lowered (one branch per backend it is lowered for);
-  a forced path (`PathChoice.forced`) runs on every backend instead. The three
-  must return arrays of the same shapes and dtypes.
+  a forced path (`choice.PathChoice.forced`) runs on every backend instead.
   """
-  forced = current().forced
-  if forced == ACCELERATOR:
+  forced = choice.forced()
+  if forced == choice.ACCELERATOR:
     return accelerator(*args)
-  if forced == GENERIC_XLA:
+  if forced == choice.GENERIC_XLA:
     return generic(*args)
   branches = dict.fromkeys(_ACCELERATOR_PLATFORMS, accelerator)
   return lax.platform_dependent(*args, cpu=cpu, default=generic, **branches)

@@ -20,9 +20,6 @@ import numpy as np
 from jax import lax
 from jax.experimental import sparse
 
-from optax_sparse_adam._backends import dispatch
-from optax_sparse_adam._backends.cpu import kernels as cpu_kernels
-from optax_sparse_adam._core import sharding
 from optax_sparse_adam._core.errors import describe, path_str
 
 BCOO = sparse.BCOO
@@ -355,58 +352,6 @@ def scatter_rows(table_rows: jax.Array, rows: jax.Array, values: jax.Array) -> j
     mode="drop",
     unique_indices=True,
     indices_are_sorted=True,
-  )
-
-
-def scatter_add_bcoo(param: jax.Array, update: BCOO, path: Sequence[Any] = ()) -> jax.Array:
-  """`param + update` for a BCOO update, by scatter-add: never densifies the update.
-
-  Repeated indices add up; out-of-range indices are dropped (BCOO padding).
-  The result has `param`'s sharding.
-  """
-  layout = row_layout(update, param.shape, path, what="update")
-  return sharding.call_with_auto_axes(
-    lambda param, update: _scatter_add_rows(param, update, layout),
-    (param, update),
-    sharding.spec_of(param),
-  )
-
-
-def _scatter_add_rows(param: jax.Array, update: BCOO, layout: RowLayout) -> jax.Array:
-  rows = linear_rows(update.indices, layout)
-
-  def generic(param, rows, values):
-    param_rows = as_rows(param, layout)
-    return (
-      param_rows.at[rows]
-      .add(
-        values.astype(param_rows.dtype),
-        mode="drop",
-        unique_indices=update.unique_indices,
-        indices_are_sorted=update.indices_sorted,
-      )
-      .reshape(param.shape)
-    )
-
-  on_cpu = generic
-  if cpu_kernels.applies(
-    (param, update.data),
-    nse=update.nse,
-    num_rows=layout.num_rows,
-    row_size=math.prod(layout.dense_shape),
-  ):
-    # The kernel takes the parameter in its own shape: a reshaped operand that
-    # it updates in place would be copied by XLA.
-    def on_cpu(param, rows, values):
-      return cpu_kernels.scatter_add_rows(
-        param, rows, values, num_rows=layout.num_rows, unique_rows=update.unique_indices
-      )
-
-  # Accelerators add as the generic path: one scatter-add, no sort. An update
-  # from sparse_adam has no repeated row (its padding rows are dropped); its
-  # flags mirror the gradient's, so they cannot promise that to XLA.
-  return dispatch.by_backend(
-    (param, rows, update.data), cpu=on_cpu, accelerator=generic, generic=generic
   )
 
 

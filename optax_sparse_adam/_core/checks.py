@@ -9,17 +9,12 @@ leaf's path, when asked; they are kept out of the default transform.
 from collections.abc import Sequence
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 import optax
 from jax.experimental import checkify, sparse
 
 from optax_sparse_adam._core import bcoo
-from optax_sparse_adam._core.errors import path_str
-
-
-def _is_leaf(x: Any) -> bool:
-  return x is None or isinstance(x, sparse.BCOO)
+from optax_sparse_adam._core.errors import flatten_grads, leaves_up_to, path_str
 
 
 def _format_safe(text: str) -> str:
@@ -113,17 +108,14 @@ def check_sparse_grads(
     >>> print(err.get().split(" (negative")[0])
     Sparse gradient at ['table']: 1 of 2 entries have out-of-range indices
   """
-  grads_with_path, treedef = jax.tree_util.tree_flatten_with_path(grads, is_leaf=_is_leaf)
+  grads_with_path, treedef = flatten_grads(grads)
   if params is None:
     param_leaves = [getattr(g, "shape", None) for _, g in grads_with_path]
   else:
-    try:
-      param_leaves = [None if p is None else jnp.shape(p) for p in treedef.flatten_up_to(params)]
-    except (ValueError, TypeError) as err:
-      raise ValueError(
-        f"The gradient tree's structure differs from the params'. Gradients: {treedef}; "
-        f"params: {jax.tree_util.tree_structure(params)}."
-      ) from err
+    paths = [path for path, _ in grads_with_path]
+    param_leaves = [
+      None if p is None else jnp.shape(p) for p in leaves_up_to(treedef, params, "params", paths)
+    ]
   for (path, grad), param_shape in zip(grads_with_path, param_leaves, strict=True):
     if isinstance(grad, sparse.BCOO):
       _check_leaf(

@@ -10,8 +10,9 @@ unique indices, so a later transform (e.g. `sparse_adam`) sees a well-formed
 gradient.
 
 Combinators that keep per-parameter state or build their own zero updates
-cannot be lifted this way; `sparse_apply_if_finite` and `sparse_multi_steps`
-replace `optax.apply_if_finite` and `optax.MultiSteps` for BCOO gradients.
+cannot be lifted this way; `sparse_apply_if_finite` (here) and
+`sparse_multi_steps` (`_core.multi_steps`) replace `optax.apply_if_finite` and
+`optax.MultiSteps` for BCOO gradients.
 """
 
 from collections.abc import Sequence
@@ -24,27 +25,13 @@ from jax import lax
 from jax.experimental import sparse
 
 from optax_sparse_adam._core import bcoo
-from optax_sparse_adam._core.errors import describe, path_str
-
-
-def _is_leaf(x: Any) -> bool:
-  return x is None or isinstance(x, sparse.BCOO)
-
-
-def _flatten(tree: Any) -> tuple[list[tuple[Any, Any]], Any]:
-  return jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_leaf)
-
-
-def _param_leaves(treedef: Any, params: Any) -> list[Any]:
-  if params is None:
-    return [None] * treedef.num_leaves
-  try:
-    return treedef.flatten_up_to(params)
-  except (ValueError, TypeError) as err:
-    raise ValueError(
-      f"The params' tree structure differs from the gradients'. Gradients: {treedef}; "
-      f"params: {jax.tree_util.tree_structure(params)}."
-    ) from err
+from optax_sparse_adam._core.errors import (
+  describe,
+  flatten_grads,
+  is_grad_leaf,
+  leaves_up_to,
+  path_str,
+)
 
 
 def _param_shape(grad: sparse.BCOO, param: Any) -> tuple[int, ...]:
@@ -88,8 +75,8 @@ class _Lifted(NamedTuple):
 
 def _lift(updates: Any, params: Any, who: str) -> _Lifted:
   """Coalesces every BCOO leaf; gathers the matching rows of its parameter."""
-  leaves_with_path, treedef = _flatten(updates)
-  param_leaves = _param_leaves(treedef, params)
+  leaves_with_path, treedef = flatten_grads(updates)
+  param_leaves = leaves_up_to(treedef, params, "params")
   layouts, rows, values, lifted_params = [], [], [], []
   for (path, grad), param in zip(leaves_with_path, param_leaves, strict=True):
     if not isinstance(grad, sparse.BCOO):
@@ -98,7 +85,7 @@ def _lift(updates: Any, params: Any, who: str) -> _Lifted:
       values.append(grad)
       lifted_params.append(param)
       continue
-    layout = _row_layout(grad, _param_shape(grad, param), path, who)
+    layout = checked_row_layout(grad, _param_shape(grad, param), path, who)
     coalesced = bcoo.coalesce_rows(
       bcoo.linear_rows(grad.indices, layout), grad.data, layout.num_rows
     )
@@ -113,7 +100,9 @@ def _lift(updates: Any, params: Any, who: str) -> _Lifted:
   return _Lifted(treedef, layouts, rows, values, lifted_params)
 
 
-def _row_layout(grad: sparse.BCOO, shape: Sequence[int], path: Any, who: str) -> bcoo.RowLayout:
+def checked_row_layout(
+  grad: sparse.BCOO, shape: Sequence[int], path: Any, who: str
+) -> bcoo.RowLayout:
   try:
     return bcoo.row_layout(grad, shape, path)
   except (TypeError, ValueError) as err:
@@ -207,7 +196,7 @@ def lift_to_bcoo(inner: optax.GradientTransformation) -> optax.GradientTransform
         f"{who}: the wrapped transformation changed the updates' tree structure "
         f"from {lifted.treedef} to {jax.tree_util.tree_structure(new_values)}."
       ) from err
-    leaves_with_path, _ = _flatten(updates)
+    leaves_with_path, _ = flatten_grads(updates)
     out = []
     for (path, _), out_leaf, values_leaf, rows, layout in zip(
       leaves_with_path, out_leaves, lifted.values, lifted.rows, lifted.layouts, strict=True
@@ -231,7 +220,7 @@ def lift_to_bcoo(inner: optax.GradientTransformation) -> optax.GradientTransform
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-def _empty_like(shapes: Any) -> Any:
+def empty_updates_like(shapes: Any) -> Any:
   """Zero updates with the structure (and BCOO metadata) of `shapes`.
 
   A BCOO becomes all padding: zero data at distinct, sorted, out-of-range
@@ -253,18 +242,20 @@ def _empty_like(shapes: Any) -> Any:
       )
     return jnp.zeros(s.shape, s.dtype)
 
-  return jax.tree.map(empty, shapes, is_leaf=_is_leaf)
+  return jax.tree.map(empty, shapes, is_leaf=is_grad_leaf)
 
 
 def _all_finite(updates: Any, params: Any, who: str) -> jax.Array:
   """Whether the dense equivalent of `updates` is finite: BCOO padding is ignored."""
-  leaves_with_path, treedef = _flatten(updates)
+  leaves_with_path, treedef = flatten_grads(updates)
   checks = [jnp.array(True)]
-  for (path, leaf), param in zip(leaves_with_path, _param_leaves(treedef, params), strict=True):
+  for (path, leaf), param in zip(
+    leaves_with_path, leaves_up_to(treedef, params, "params"), strict=True
+  ):
     if leaf is None:
       continue
     if isinstance(leaf, sparse.BCOO):
-      layout = _row_layout(leaf, _param_shape(leaf, param), path, who)
+      layout = checked_row_layout(leaf, _param_shape(leaf, param), path, who)
       # A dense sum is non-finite exactly when one of its in-range terms is.
       valid = bcoo.linear_rows(leaf.indices, layout) < layout.num_rows
       finite = jnp.isfinite(leaf.data)
@@ -336,7 +327,7 @@ def sparse_apply_if_finite(
     out_shapes, _ = jax.eval_shape(do_update, operands)
 
     def reject_update(operands):
-      return _empty_like(out_shapes), operands[1]
+      return empty_updates_like(out_shapes), operands[1]
 
     new_updates, new_inner_state = lax.cond(
       is_finite | (notfinite_count > max_consecutive_errors),
@@ -354,254 +345,3 @@ def sparse_apply_if_finite(
     )
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
-
-
-class RowBuffer(NamedTuple):
-  """The BCOO gradients of one parameter over the mini-steps of a cycle.
-
-  Attributes:
-    rows: int32 `(every_k * max_nse,)` row ids; out of range for padding.
-    values: `(every_k * max_nse, *row_shape)` gradient rows.
-  """
-
-  rows: jax.Array
-  values: jax.Array
-
-
-class SparseMultiStepsState(NamedTuple):
-  """State of `sparse_multi_steps`.
-
-  Attributes:
-    mini_step: int32 mini-steps done in the current cycle, `0 .. every_k - 1`.
-    gradient_step: int32 number of steps of the inner transformation.
-    inner_opt_state: the inner transformation's state.
-    acc_grads: per parameter, a `RowBuffer` (BCOO gradients) or the running sum
-      of dense gradients.
-  """
-
-  mini_step: jax.Array
-  gradient_step: jax.Array
-  inner_opt_state: Any
-  acc_grads: Any
-
-
-def sparse_multi_steps(
-  inner: optax.GradientTransformation,
-  every_k: int,
-  *,
-  max_nse: int | Any,
-  use_grad_mean: bool = True,
-) -> optax.GradientTransformationExtraArgs:
-  r"""`optax.MultiSteps` for BCOO gradients: accumulate `every_k` mini-steps, then step once.
-
-  .. math::
-    g = \frac{1}{k} \sum_{i=1}^{k} g_i \quad (\text{or the sum}), \qquad
-    u = \mathrm{inner}(g) \text{ every } k \text{ mini-steps, else } 0
-
-  The BCOO gradients of a cycle are kept side by side (not densified) in a
-  buffer of `every_k * max_nse` rows per parameter, and handed to `inner` as
-  one BCOO with duplicate rows, which `sparse_adam` sums; so a row touched in
-  any mini-step of the cycle is updated once, with the mean gradient, exactly
-  as `optax.MultiSteps` does densely on the touched rows. Mini-steps emit
-  all-padding BCOO updates (zero data at out-of-range indices).
-
-  The buffer needs static sizes, fixed at `init`: each BCOO gradient may hold
-  at most `max_nse` entries (fewer are padded, more are refused at trace time)
-  and must index rows (`n_sparse == 1`, as from an embedding lookup). Dense
-  gradients (leaves whose `max_nse` is None) are summed densely.
-
-  Args:
-    inner: the transformation to step, e.g. `sparse_adam(...)` or an
-      `optax.multi_transform` of sparse and dense optimizers.
-    every_k: number of mini-steps per step (a Python int: it sizes the buffer).
-    max_nse: the largest `nse` of the BCOO gradients: an int for every leaf, or a
-      pytree like the params with an int per BCOO leaf and None per dense leaf.
-    use_grad_mean: average the gradients of a cycle (True) or sum them.
-
-  Returns:
-    An `optax.GradientTransformationExtraArgs` whose state is a
-    `SparseMultiStepsState`.
-
-  Example:
-    >>> import jax.numpy as jnp
-    >>> from jax.experimental import sparse
-    >>> import optax_sparse_adam as osa
-    >>> opt = osa.sparse_multi_steps(osa.sparse_adam(0.1), every_k=2, max_nse=1)
-    >>> state = opt.init(jnp.zeros((4, 1)))
-    >>> g = sparse.BCOO((jnp.ones((1, 1)), jnp.array([[2]])), shape=(4, 1))
-    >>> u, state = opt.update(g, state)
-    >>> float(abs(u.todense()).sum())
-    0.0
-    >>> u, state = opt.update(g, state)
-    >>> round(float(u.todense()[2, 0]), 4)
-    -0.1
-
-  References:
-    `optax.MultiSteps`, https://optax.readthedocs.io/en/latest/api/optimizer_wrappers.html
-  """
-  if not isinstance(every_k, int) or isinstance(every_k, bool) or every_k < 1:
-    raise ValueError(
-      f"sparse_multi_steps: every_k must be a Python int >= 1 (it sizes the "
-      f"gradient buffer), got {every_k!r}. Schedules of k are not supported."
-    )
-  inner = optax.with_extra_args_support(inner)
-  who = "sparse_multi_steps"
-
-  def caps_of(params: Any) -> list[Any]:
-    treedef = jax.tree.structure(params)
-    if isinstance(max_nse, int) and not isinstance(max_nse, bool):
-      caps = [max_nse] * treedef.num_leaves
-    else:
-      try:
-        caps = treedef.flatten_up_to(max_nse)
-      except (ValueError, TypeError) as err:
-        raise ValueError(
-          f"{who}: max_nse must be an int or a pytree with the params' structure "
-          f"{treedef} (an int per BCOO leaf, None per dense leaf), got {max_nse!r}."
-        ) from err
-    for path_and_param, cap in zip(
-      jax.tree_util.tree_flatten_with_path(params)[0], caps, strict=True
-    ):
-      if cap is not None and (not isinstance(cap, int) or isinstance(cap, bool) or cap < 1):
-        raise ValueError(
-          f"{who}: max_nse for the parameter at {path_str(path_and_param[0])} must "
-          f"be a positive int or None, got {cap!r}."
-        )
-    return caps
-
-  def init_fn(params: optax.Params) -> SparseMultiStepsState:
-    caps = caps_of(params)
-    leaves, treedef = jax.tree.flatten(params)
-    acc = []
-    for param, cap in zip(leaves, caps, strict=True):
-      param = jnp.asarray(param)
-      if cap is None:
-        acc.append(jnp.zeros_like(param))
-      elif param.ndim < 1:
-        raise ValueError(
-          f"{who}: a scalar parameter cannot take BCOO gradients; set its max_nse to None."
-        )
-      else:
-        size = every_k * cap
-        acc.append(
-          RowBuffer(
-            rows=jnp.full((size,), param.shape[0], jnp.int32),
-            values=jnp.zeros((size,) + param.shape[1:], param.dtype),
-          )
-        )
-    return SparseMultiStepsState(
-      mini_step=jnp.zeros([], jnp.int32),
-      gradient_step=jnp.zeros([], jnp.int32),
-      inner_opt_state=inner.init(params),
-      acc_grads=treedef.unflatten(acc),
-    )
-
-  def update_fn(
-    updates: optax.Updates,
-    state: SparseMultiStepsState,
-    params: optax.Params | None = None,
-    **extra_args: Any,
-  ) -> tuple[optax.Updates, SparseMultiStepsState]:
-    leaves_with_path, treedef = _flatten(updates)
-    acc_leaves = treedef.flatten_up_to(state.acc_grads)
-    new_acc, cycle_grads = [], []
-    for (path, grad), acc in zip(leaves_with_path, acc_leaves, strict=True):
-      if grad is None:
-        new_acc.append(acc)
-      elif isinstance(acc, RowBuffer):
-        new_acc.append(_buffer_rows(grad, acc, state.mini_step, every_k, path, who))
-      elif isinstance(grad, sparse.BCOO):
-        raise TypeError(
-          f"{who}: the gradient at {path_str(path)} is a BCOO but its max_nse was "
-          "None (a dense leaf). Give its largest nse in max_nse."
-        )
-      else:
-        new_acc.append(acc + jnp.asarray(grad).astype(acc.dtype))
-    scale = 1.0 / every_k if use_grad_mean else 1.0
-    for (_, grad), acc in zip(leaves_with_path, new_acc, strict=True):
-      if grad is None:
-        cycle_grads.append(None)
-      elif isinstance(acc, RowBuffer):
-        cycle_grads.append(
-          sparse.BCOO(
-            (
-              (acc.values * jnp.asarray(scale, acc.values.dtype)).astype(grad.dtype),
-              acc.rows[:, None],
-            ),
-            shape=grad.shape,
-          )
-        )
-      else:
-        cycle_grads.append((acc * jnp.asarray(scale, acc.dtype)).astype(jnp.result_type(grad)))
-    cycle_grads = treedef.unflatten(cycle_grads)
-    emit = state.mini_step == every_k - 1
-
-    def do_update(operands):
-      grads, inner_state, params, extra_args = operands
-      return inner.update(grads, inner_state, params, **extra_args)
-
-    operands = (cycle_grads, state.inner_opt_state, params, extra_args)
-    out_shapes, _ = jax.eval_shape(do_update, operands)
-    new_updates, new_inner_state = lax.cond(
-      emit, do_update, lambda ops: (_empty_like(out_shapes), ops[1]), operands
-    )
-    # The buffers are overwritten slot by slot each cycle; only dense sums reset.
-    reset = [
-      acc if isinstance(acc, RowBuffer) else jnp.where(emit, jnp.zeros_like(acc), acc)
-      for acc in new_acc
-    ]
-    return new_updates, SparseMultiStepsState(
-      mini_step=jnp.where(emit, 0, state.mini_step + 1).astype(jnp.int32),
-      gradient_step=jnp.where(emit, optax.safe_increment(state.gradient_step), state.gradient_step),
-      inner_opt_state=new_inner_state,
-      acc_grads=treedef.unflatten(reset),
-    )
-
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
-
-
-def _buffer_rows(
-  grad: Any, buffer: RowBuffer, mini_step: jax.Array, every_k: int, path: Any, who: str
-) -> RowBuffer:
-  """Writes a BCOO gradient into its mini-step's slot of the buffer, padded to the slot."""
-  cap = buffer.rows.shape[0] // every_k
-  if not isinstance(grad, sparse.BCOO):
-    raise TypeError(
-      f"{who}: the gradient at {path_str(path)} is dense ({describe(grad)}) but "
-      "its max_nse declares a BCOO leaf. Set its max_nse to None."
-    )
-  num_rows = int(grad.shape[0]) if grad.ndim else 0
-  layout = _row_layout(grad, grad.shape, path, who)
-  if grad.n_sparse != 1:
-    raise ValueError(
-      f"{who}: the BCOO gradient at {path_str(path)} has n_sparse={grad.n_sparse}; "
-      "the accumulation buffer holds whole rows (n_sparse=1). Convert it with "
-      "jax.experimental.sparse.bcoo_update_layout(grad, n_dense=grad.ndim - 1)."
-    )
-  if grad.nse > cap:
-    raise ValueError(
-      f"{who}: the BCOO gradient at {path_str(path)} has nse={grad.nse} entries "
-      f"but the buffer holds max_nse={cap} per mini-step; the nse of its "
-      f"gradients varies beyond what init sized. Build sparse_multi_steps with "
-      f"max_nse >= {grad.nse} for this leaf, or fix the nse with "
-      "grad.sum_duplicates(nse=...)."
-    )
-  if buffer.values.shape[1:] != tuple(layout.dense_shape):
-    raise ValueError(
-      f"{who}: the BCOO gradient at {path_str(path)} has rows of shape "
-      f"{layout.dense_shape}, but the buffer was built for {buffer.values.shape[1:]}."
-    )
-  rows = bcoo.linear_rows(grad.indices, layout)
-  pad = cap - grad.nse
-  rows = jnp.concatenate([rows, jnp.full((pad,), num_rows, jnp.int32)])
-  values = jnp.concatenate(
-    [
-      grad.data.astype(buffer.values.dtype),
-      jnp.zeros((pad,) + layout.dense_shape, buffer.values.dtype),
-    ]
-  )
-  start = mini_step * cap
-  return RowBuffer(
-    rows=lax.dynamic_update_slice_in_dim(buffer.rows, rows, start, axis=0),
-    values=lax.dynamic_update_slice_in_dim(buffer.values, values, start, axis=0),
-  )

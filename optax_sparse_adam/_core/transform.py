@@ -1,4 +1,4 @@
-"""Optax glue: `sparse_adam` and `sparse_adamw` transformations, and `apply_updates`."""
+"""Optax glue: the `sparse_adam` and `sparse_adamw` transformations and their state."""
 
 from typing import Any, NamedTuple
 
@@ -7,8 +7,9 @@ import jax.numpy as jnp
 import optax
 from jax.experimental import sparse
 
-from optax_sparse_adam._core import adam, bcoo, sharding
-from optax_sparse_adam._core.errors import describe, path_str
+from optax_sparse_adam._core import adam, bcoo, leaf, sharding
+from optax_sparse_adam._core.errors import describe, flatten_grads, leaves_up_to, path_str
+from optax_sparse_adam._core.hyperparams import check_hyperparams, moment_dtype
 
 ScalarOrSchedule = float | jax.Array | optax.Schedule
 
@@ -35,113 +36,85 @@ class SparseAdamState(NamedTuple):
   row_step: optax.Updates | None
 
 
-def _is_leaf(x: Any) -> bool:
-  return x is None or isinstance(x, sparse.BCOO)
+def _init_state(
+  params: optax.Params,
+  *,
+  mu_dtype: Any,
+  nu_dtype: Any,
+  amsgrad: bool,
+  per_row_bias_correction: bool,
+) -> SparseAdamState:
+  """Zero moments (and max/row steps where asked) for every parameter; count and steps 0."""
+  leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path(params)
+  states = []
+  for path, param in leaves_with_path:
+    bcoo.check_param_dtype(param, path)
+    states.append(
+      adam.init_leaf_state(
+        param,
+        mu_dtype=mu_dtype,
+        nu_dtype=nu_dtype,
+        amsgrad=amsgrad,
+        per_row_bias_correction=per_row_bias_correction,
+      )
+    )
 
+  def field(name: str) -> Any:
+    values = [getattr(s, name) for s in states]
+    if any(v is None for v in values):
+      return None
+    return jax.tree_util.tree_unflatten(treedef, values)
 
-def _is_python_number(x: Any) -> bool:
-  return isinstance(x, (int, float)) and not isinstance(x, bool)
-
-
-def _is_scalar(value: Any) -> bool:
-  """A real number, or a 0-d array of a real dtype (as `optax.inject_hyperparams` passes)."""
-  if _is_python_number(value):
-    return True
-  dtype = getattr(value, "dtype", None)
-  return (
-    dtype is not None
-    and getattr(value, "ndim", None) == 0
-    and (jnp.issubdtype(dtype, jnp.floating) or jnp.issubdtype(dtype, jnp.integer))
+  return SparseAdamState(
+    count=jnp.zeros(
+      [], jnp.int32, device=sharding.replicated_like(*(leaf for _, leaf in leaves_with_path))
+    ),
+    step=field("step"),
+    mu=field("mu"),
+    nu=field("nu"),
+    nu_max=field("nu_max"),
+    row_step=field("row_step"),
   )
 
 
-def check_hyperparams(
-  learning_rate: Any, b1: Any, b2: Any, eps: Any, weight_decay: Any = 0.0
+def _leaf_states(treedef: Any, paths: list[Any], state: SparseAdamState) -> list[adam.LeafState]:
+  """One `LeafState` per gradient leaf, read from the state's fields."""
+  step = leaves_up_to(treedef, state.step, "optimizer state", paths)
+  mu = leaves_up_to(treedef, state.mu, "optimizer state", paths)
+  nu = leaves_up_to(treedef, state.nu, "optimizer state", paths)
+  nu_max = leaves_up_to(treedef, state.nu_max, "optimizer state", paths)
+  row_step = leaves_up_to(treedef, state.row_step, "optimizer state", paths)
+  return [adam.LeafState(*fields) for fields in zip(step, mu, nu, nu_max, row_step, strict=True)]
+
+
+def _check_grads(
+  grads_with_path: list[tuple[Any, Any]], states: list[adam.LeafState], params: list[Any]
 ) -> None:
-  """torch's constructor checks, in torch's order and wording, for concrete numbers.
+  """Refuses a dense gradient, a BCOO of the wrong layout, or a param of another shape.
 
-  Every hyper-parameter must be a real number or a 0-d real array; the values of
-  arrays (as `optax.inject_hyperparams` passes) are not checked. Schedules are
-  checked by the caller.
+  Runs over every leaf before anything is computed, so a bad leaf fails the
+  whole call and no state changes.
   """
-  for name, value in (
-    ("learning_rate", learning_rate),
-    ("b1", b1),
-    ("b2", b2),
-    ("eps", eps),
-    ("weight_decay", weight_decay),
-  ):
-    if not _is_scalar(value):
+  for (path, grad), state, param in zip(grads_with_path, states, params, strict=True):
+    if grad is None:
+      continue
+    if not isinstance(grad, sparse.BCOO):
       raise TypeError(
-        f"Invalid {name}: {value!r} ({describe(value)}); expected a float or a "
-        "0-d real array" + (", or an optax.Schedule." if name == "learning_rate" else ".")
+        f"sparse_adam does not support dense gradients, please consider Adam "
+        f"instead: the gradient at {path_str(path)} is dense "
+        f"({describe(grad)}). Give it to optax.adam, or route dense and sparse "
+        "leaves apart with optax.multi_transform({'sparse': sparse_adam(...), "
+        "'dense': optax.adam(...)}, labels). If it is wrapped in "
+        "optax.MultiSteps, which accumulates gradients densely, use "
+        "optax_sparse_adam.sparse_multi_steps instead."
       )
-  if _is_python_number(learning_rate) and not 0.0 < learning_rate:
-    raise ValueError(f"Invalid learning rate: {learning_rate}")
-  if _is_python_number(eps) and not 0.0 < eps:
-    raise ValueError(f"Invalid epsilon value: {eps}")
-  if _is_python_number(b1) and not 0.0 <= b1 < 1.0:
-    raise ValueError(f"Invalid beta parameter at index 0: {b1}")
-  if _is_python_number(b2) and not 0.0 <= b2 < 1.0:
-    raise ValueError(f"Invalid beta parameter at index 1: {b2}")
-  if _is_python_number(weight_decay) and not 0.0 <= weight_decay:
-    raise ValueError(f"Invalid weight_decay value: {weight_decay}")
-
-
-def _moment_dtype(dtype: Any, name: str) -> Any:
-  """`dtype` as a NumPy dtype, refused unless it is a real floating dtype."""
-  if dtype is None:
-    return None
-  try:
-    dtype = jnp.dtype(dtype)
-  except TypeError as err:
-    raise TypeError(f"Invalid {name}: {dtype!r} is not a dtype.") from err
-  if not jnp.issubdtype(dtype, jnp.floating):
-    raise TypeError(f"Invalid {name}: {dtype}; expected a real floating dtype such as float32.")
-  return dtype
-
-
-def _path_difference(
-  paths: list[Any], tree: Any, what: str, *, first: str = "gradients", limit: int = 5
-) -> str:
-  """Names the leaf paths found in only one of `paths` (the `first`'s) and `tree`, if any."""
-  grad_paths = [path_str(p) for p in paths]
-  tree_paths = [path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
-  only_grads = [p for p in grad_paths if p not in set(tree_paths)][:limit]
-  only_tree = [p for p in tree_paths if p not in set(grad_paths)][:limit]
-  parts = []
-  if only_grads:
-    parts.append(f"only in the {first}: {', '.join(only_grads)}")
-  if only_tree:
-    parts.append(f"only in the {what}: {', '.join(only_tree)}")
-  return f" ({'; '.join(parts)})" if parts else ""
-
-
-def _leaves_up_to(treedef: Any, tree: Any, what: str, paths: list[Any] | None = None) -> list[Any]:
-  """The leaves of `tree` at the gradient leaves' positions; refuses other structures.
-
-  `flatten_up_to` accepts a subtree where the gradient has a leaf; that is a
-  structure mismatch too, reported with the gradient leaf's path.
-  """
-  try:
-    leaves = treedef.flatten_up_to(tree)
-  except (ValueError, TypeError) as err:
-    raise ValueError(
-      f"The gradient tree's structure differs from the {what}'s"
-      f"{'' if paths is None else _path_difference(paths, tree, what)}. Gradients: "
-      f"{treedef}; {what}: "
-      f"{jax.tree_util.tree_structure(tree)}. Pass gradients with the structure of "
-      "the params given to init."
-    ) from err
-  for path, leaf in zip(paths or [()] * len(leaves), leaves, strict=True):
-    if leaf is not None and not jax.tree_util.treedef_is_leaf(jax.tree_util.tree_structure(leaf)):
+    bcoo.row_layout(grad, state.mu.shape, path)
+    if param is not None and tuple(jnp.shape(param)) != tuple(state.mu.shape):
       raise ValueError(
-        f"The gradient tree's structure differs from the {what}'s: the gradient "
-        f"at {path_str(path)} is a single leaf, but the {what} holds a subtree "
-        f"{jax.tree_util.tree_structure(leaf)} there. Pass gradients with the "
-        "structure of the params given to init."
+        f"Parameter at {path_str(path)} has shape {tuple(jnp.shape(param))} but "
+        f"its optimizer state has shape {tuple(state.mu.shape)}: pass the params "
+        "given to init (or re-init the state after reshaping them)."
       )
-  return leaves
 
 
 def _scale_by_sparse_adam(
@@ -158,101 +131,48 @@ def _scale_by_sparse_adam(
   mu_dtype: Any,
   nu_dtype: Any,
 ) -> optax.GradientTransformation:
+  """The transformation behind `sparse_adam` and `sparse_adamw` (see `sparse_adam`).
+
+  `update` reads each parameter's `LeafState`, checks every gradient leaf, then
+  steps each parameter with a BCOO gradient (`leaf.sparse_adam_leaf_step`); a
+  None gradient leaves its parameter's state as it is.
+  """
   check_hyperparams(
     learning_rate if not callable(learning_rate) else 1.0, b1, b2, eps, weight_decay
   )
-  mu_dtype = _moment_dtype(mu_dtype, "mu_dtype")
-  nu_dtype = _moment_dtype(nu_dtype, "nu_dtype")
+  mu_dtype = moment_dtype(mu_dtype, "mu_dtype")
+  nu_dtype = moment_dtype(nu_dtype, "nu_dtype")
 
   def init_fn(params: optax.Params) -> SparseAdamState:
-    leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path(params)
-    states = []
-    for path, param in leaves_with_path:
-      bcoo.check_param_dtype(param, path)
-      states.append(
-        adam.init_leaf_state(
-          param,
-          mu_dtype=mu_dtype,
-          nu_dtype=nu_dtype,
-          amsgrad=amsgrad,
-          per_row_bias_correction=per_row_bias_correction,
-        )
-      )
-
-    def field(name: str) -> Any:
-      values = [getattr(s, name) for s in states]
-      if any(v is None for v in values):
-        return None
-      return jax.tree_util.tree_unflatten(treedef, values)
-
-    return SparseAdamState(
-      count=jnp.zeros(
-        [], jnp.int32, device=sharding.replicated_like(*(leaf for _, leaf in leaves_with_path))
-      ),
-      step=field("step"),
-      mu=field("mu"),
-      nu=field("nu"),
-      nu_max=field("nu_max"),
-      row_step=field("row_step"),
+    return _init_state(
+      params,
+      mu_dtype=mu_dtype,
+      nu_dtype=nu_dtype,
+      amsgrad=amsgrad,
+      per_row_bias_correction=per_row_bias_correction,
     )
 
   def update_fn(
     updates: optax.Updates, state: SparseAdamState, params: optax.Params | None = None
   ) -> tuple[optax.Updates, SparseAdamState]:
-    grads_with_path, treedef = jax.tree_util.tree_flatten_with_path(updates, is_leaf=_is_leaf)
+    grads_with_path, treedef = flatten_grads(updates)
     paths = [path for path, _ in grads_with_path]
-    step_leaves = _leaves_up_to(treedef, state.step, "optimizer state", paths)
-    mu_leaves = _leaves_up_to(treedef, state.mu, "optimizer state", paths)
-    nu_leaves = _leaves_up_to(treedef, state.nu, "optimizer state", paths)
-    none = [None] * len(mu_leaves)
-    nu_max_leaves = none if state.nu_max is None else treedef.flatten_up_to(state.nu_max)
-    row_step_leaves = none if state.row_step is None else treedef.flatten_up_to(state.row_step)
-    param_leaves = none if params is None else _leaves_up_to(treedef, params, "params", paths)
-
-    # Validate every leaf before computing anything: a bad leaf fails the call whole.
-    for (path, grad), mu, param in zip(grads_with_path, mu_leaves, param_leaves, strict=True):
-      if grad is None:
-        continue
-      if not isinstance(grad, sparse.BCOO):
-        raise TypeError(
-          f"sparse_adam does not support dense gradients, please consider Adam "
-          f"instead: the gradient at {path_str(path)} is dense "
-          f"({describe(grad)}). Give it to optax.adam, or route dense and sparse "
-          "leaves apart with optax.multi_transform({'sparse': sparse_adam(...), "
-          "'dense': optax.adam(...)}, labels). If it is wrapped in "
-          "optax.MultiSteps, which accumulates gradients densely, use "
-          "optax_sparse_adam.sparse_multi_steps instead."
-        )
-      bcoo.row_layout(grad, mu.shape, path)
-      if param is not None and tuple(jnp.shape(param)) != tuple(mu.shape):
-        raise ValueError(
-          f"Parameter at {path_str(path)} has shape {tuple(jnp.shape(param))} but "
-          f"its optimizer state has shape {tuple(mu.shape)}: pass the params "
-          "given to init (or re-init the state after reshaping them)."
-        )
+    states = _leaf_states(treedef, paths, state)
+    param_leaves = leaves_up_to(treedef, params, "params", paths)
+    _check_grads(grads_with_path, states, param_leaves)
 
     lr = learning_rate(state.count) if callable(learning_rate) else learning_rate
     # A zero the compiler cannot see through: the math rounds each product before
     # adding it, as torch does, instead of XLA contracting the pair into an FMA.
     opaque_zero = jnp.minimum(state.count, 0)
     coeffs = adam.adam_coefficients(lr, b1, b2, eps, weight_decay)
-    new_updates, new = [], []
-    for (path, grad), step, mu, nu, nu_max, row_step, param in zip(
-      grads_with_path,
-      step_leaves,
-      mu_leaves,
-      nu_leaves,
-      nu_max_leaves,
-      row_step_leaves,
-      param_leaves,
-      strict=True,
-    ):
-      leaf_state = adam.LeafState(step, mu, nu, nu_max, row_step)
+    new_updates, new_states = [], []
+    for (path, grad), leaf_state, param in zip(grads_with_path, states, param_leaves, strict=True):
       if grad is None:
         new_updates.append(None)
-        new.append(leaf_state)
+        new_states.append(leaf_state)
         continue
-      update, leaf_state = adam.sparse_adam_leaf_step(
+      update, leaf_state = leaf.sparse_adam_leaf_step(
         grad,
         leaf_state,
         param,
@@ -265,19 +185,20 @@ def _scale_by_sparse_adam(
       # The update carries the gradient's BCOO metadata, so updates keep the
       # gradients' tree structure: lax.cond wrappers such as optax.apply_if_finite
       # need both branches to match. The indices are sorted and unique regardless.
-      update = sparse.BCOO(
-        (update.data, update.indices),
-        shape=update.shape,
-        indices_sorted=grad.indices_sorted,
-        unique_indices=grad.unique_indices,
+      new_updates.append(
+        sparse.BCOO(
+          (update.data, update.indices),
+          shape=update.shape,
+          indices_sorted=grad.indices_sorted,
+          unique_indices=grad.unique_indices,
+        )
       )
-      new_updates.append(update)
-      new.append(leaf_state)
+      new_states.append(leaf_state)
 
     def field(name: str, old: Any) -> Any:
       if old is None:
         return None
-      return treedef.unflatten([getattr(s, name) for s in new])
+      return treedef.unflatten([getattr(s, name) for s in new_states])
 
     new_state = SparseAdamState(
       count=optax.safe_increment(state.count),
@@ -455,62 +376,3 @@ def sparse_adamw(
     mu_dtype=mu_dtype,
     nu_dtype=nu_dtype,
   )
-
-
-def apply_updates(params: optax.Params, updates: optax.Updates) -> optax.Params:
-  """Applies updates to params: BCOO leaves by scatter-add, dense leaves as `optax.apply_updates`.
-
-  A BCOO update is never densified: only its rows of the parameter are read and
-  written. Inside `jax.jit` with the params donated this runs in place, in time
-  proportional to the update's entries. A None update leaves its parameter as is.
-
-  Args:
-    params: a tree of parameters.
-    updates: a tree of the same structure, with BCOO, array or None leaves.
-
-  Returns:
-    The updated parameters, each in its parameter's dtype.
-
-  Example:
-    >>> import jax.numpy as jnp
-    >>> from jax.experimental import sparse
-    >>> import optax_sparse_adam as osa
-    >>> u = sparse.BCOO((jnp.array([1.0, 2.0]), jnp.array([[0], [0]])), shape=(3,))
-    >>> osa.apply_updates(jnp.zeros(3), u)
-    Array([3., 0., 0.], dtype=float32)
-  """
-
-  def apply_leaf(path: Any, param: Any, update: Any) -> Any:
-    if param is None or update is None:
-      return param
-    if isinstance(update, sparse.BCOO):
-      bcoo.check_param_dtype(param, path)
-      return bcoo.scatter_add_bcoo(jnp.asarray(param), update, path)
-    param_shape, update_shape = jnp.shape(param), jnp.shape(update)
-    try:
-      fits = jnp.broadcast_shapes(param_shape, update_shape) == param_shape
-    except ValueError:
-      fits = False
-    if not fits:
-      raise ValueError(
-        f"apply_updates: the update at {path_str(path)} has shape {update_shape} "
-        f"but its parameter has shape {param_shape}; expected the parameter's shape."
-      )
-    return jnp.asarray(param + update).astype(jnp.asarray(param).dtype)
-
-  try:
-    return jax.tree_util.tree_map_with_path(
-      apply_leaf, params, updates, is_leaf=lambda x: x is None
-    )
-  except ValueError as err:
-    if "tree structure" not in str(err) and "Custom node type mismatch" not in str(err):
-      raise
-    update_paths = [
-      p for p, _ in jax.tree_util.tree_flatten_with_path(updates, is_leaf=_is_leaf)[0]
-    ]
-    raise ValueError(
-      "apply_updates: the updates' tree structure differs from the params'"
-      f"{_path_difference(update_paths, params, 'params', first='updates')}. "
-      f"Params: {jax.tree_util.tree_structure(params)}; updates: "
-      f"{jax.tree_util.tree_structure(updates, is_leaf=_is_leaf)}."
-    ) from err

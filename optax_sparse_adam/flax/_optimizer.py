@@ -9,7 +9,7 @@ from flax import nnx
 from flax.training import train_state
 from jax.experimental import sparse
 
-from optax_sparse_adam._core import transform
+from optax_sparse_adam._core import apply
 from optax_sparse_adam.flax._tables import SparseTable, SparseTableBox, _is_table_box, _is_variable
 
 
@@ -98,7 +98,7 @@ class SparseOptimizer(nnx.Optimizer):
     updates, new_opt_state = self.tx.update(
       grad_arrays, opt_state_arrays, param_arrays, **nnx.as_pure(kwargs)
     )
-    new_params = transform.apply_updates(param_arrays, updates)
+    new_params = apply.apply_updates(param_arrays, updates)
     nnx.update(model, new_params)
     nnx.update(self.opt_state, nnx.state(new_opt_state, graph=self.graph))
     self.step[...] += 1
@@ -135,5 +135,5 @@ class SparseTrainState(train_state.TrainState):
       The updated state.
     """
     updates, new_opt_state = self.tx.update(grads, self.opt_state, self.params)
-    new_params = transform.apply_updates(self.params, updates)
+    new_params = apply.apply_updates(self.params, updates)
     return self.replace(step=self.step + 1, params=new_params, opt_state=new_opt_state, **kwargs)

@@ -12,7 +12,7 @@ It has the behaviour of `torch.optim.SparseAdam` and `torch.optim.Optimizer`:
 param groups, `state_dict`/`load_state_dict` in torch's layout (checkpoints move
 both ways between torch and JAX), hooks, `zero_grad`, and bit-for-bit torch's
 float32 numerics. The arithmetic is the library's one implementation
-(`adam.sparse_adam_leaf_step`); torch is never imported unless a torch tensor
+(`optax_sparse_adam.sparse_adam_leaf_step`); torch is never imported unless a torch tensor
 or checkpoint is handed in.
 """
 

@@ -5,7 +5,7 @@ from typing import Any
 import numpy as np
 from jax.experimental import sparse
 
-from optax_sparse_adam._core import bcoo
+from optax_sparse_adam._core import bcoo, hyperparams
 from optax_sparse_adam.torch_compat import _convert, _step
 from optax_sparse_adam.torch_compat._optimizer import Optimizer, iter_params, with_step_hooks
 from optax_sparse_adam.torch_compat._parameter import Parameter
@@ -141,12 +141,7 @@ class SparseAdam(Optimizer):
       raise ValueError("Tensor lr must be 1-element")
     if not 0.0 < _step.lr_value(lr):
       raise ValueError(f"Invalid learning rate: {lr}")
-    if not 0.0 < eps:
-      raise ValueError(f"Invalid epsilon value: {eps}")
-    if not 0.0 <= betas[0] < 1.0:
-      raise ValueError(f"Invalid beta parameter at index 0: {betas[0]}")
-    if not 0.0 <= betas[1] < 1.0:
-      raise ValueError(f"Invalid beta parameter at index 1: {betas[1]}")
+    hyperparams.check_ranges(1.0, betas[0], betas[1], eps)
     defaults = {"lr": lr, "betas": betas, "eps": eps, "maximize": maximize}
     super().__init__(params, defaults)
     complex_params = _complex_params(self.param_groups)

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import sparse
 
-from optax_sparse_adam._core import adam, bcoo
+from optax_sparse_adam._core import adam, leaf
 from optax_sparse_adam.torch_compat import _convert
 
 # Positions in the per-parameter scalar vector.
@@ -107,9 +107,6 @@ def step_size(lr: float | np.ndarray, b1: float, b2: float, step: int) -> Any:
 def host_scalars(hyper: GroupHyperparams, step: int, compute_dtype: Any) -> np.ndarray:
   """The per-parameter scalar vector, each entry rounded once to `compute_dtype`."""
 
-  def log(b: float) -> float:
-    return math.log(b) if b > 0 else -math.inf
-
   values = [0.0] * 8
   values[_STEP_SIZE] = step_size(hyper.lr, hyper.b1, hyper.b2, step)
   values[_ONE_MINUS_B1] = 1.0 - hyper.b1
@@ -117,13 +114,13 @@ def host_scalars(hyper: GroupHyperparams, step: int, compute_dtype: Any) -> np.n
   values[_EPS] = hyper.eps
   values[_SIGN] = -1.0 if hyper.maximize else 1.0
   values[_LR] = hyper.lr
-  values[_LOG_B1] = log(hyper.b1)
-  values[_LOG_B2] = log(hyper.b2)
+  values[_LOG_B1] = adam.log_beta(hyper.b1)
+  values[_LOG_B2] = adam.log_beta(hyper.b2)
   return np.array([np.asarray(v).astype(compute_dtype) for v in values], dtype=compute_dtype)
 
 
 def compute_dtype(param: Any, grad: sparse.BCOO) -> Any:
-  """The dtype `adam.sparse_adam_leaf_step` computes in, for moments in the param's dtype."""
+  """The dtype `leaf.sparse_adam_leaf_step` computes in, for moments in the param's dtype."""
   return np.dtype(jnp.result_type(jnp.float32, grad.dtype, param.dtype))
 
 
@@ -165,7 +162,7 @@ def fused_step(
       # A Python zero takes the core's static no-decay path.
       weight_decay=0.0,
     )
-    update, leaf = adam.sparse_adam_leaf_step(
+    update, state = leaf.sparse_adam_leaf_step(
       _signed(grad, s[_SIGN]),
       adam.LeafState(jnp.zeros([], jnp.int32), exp_avg, exp_avg_sq),
       None,
@@ -173,7 +170,7 @@ def fused_step(
       step_size=s[_STEP_SIZE],
       opaque_zero=opaque_zero,
     )
-    new_params.append(bcoo.scatter_add_bcoo(param, update))
-    new_exp_avgs.append(leaf.mu)
-    new_exp_avg_sqs.append(leaf.nu)
+    new_params.append(leaf.scatter_add_bcoo(param, update))
+    new_exp_avgs.append(state.mu)
+    new_exp_avg_sqs.append(state.nu)
   return new_params, new_exp_avgs, new_exp_avg_sqs

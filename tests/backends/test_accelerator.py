@@ -1,7 +1,7 @@
 """The accelerator rows step (GPU/TPU), checked on the machine at hand.
 
 The step is forced onto this backend with the private, trace-visible switch
-`dispatch.choose(forced=...)` and compared with the paths this backend runs by
+`choice.choose(forced=...)` and compared with the paths this backend runs by
 default. Bit for bit on the CPU (each row's duplicates are summed in input
 order on both); on a GPU a scatter-add may add a row's duplicates in another
 order, so there the comparison allows a few ulp. Then the compiled and lowered
@@ -18,7 +18,7 @@ import pytest
 from jax.experimental import sparse
 
 import optax_sparse_adam as osa
-from optax_sparse_adam._backends import dispatch
+from optax_sparse_adam._backends import choice
 from tests._helpers import dense_table_temporaries, table_shaped_values, train_step
 
 ON_CPU = jax.default_backend() == "cpu"
@@ -92,7 +92,7 @@ def _train(opt, shape, batches, *, use_jit, forced, dtype=jnp.float32):
   if use_jit:
     step = jax.jit(step, donate_argnums=(0, 1))
   updates = []
-  with dispatch.choose(forced=forced):
+  with choice.choose(forced=forced):
     for idx, val in batches:
       grads = {"w": sparse.BCOO((jnp.asarray(val), jnp.asarray(idx)), shape=shape)}
       params, state, update = step(params, state, grads)
@@ -115,10 +115,10 @@ def test_accelerator_step_equals_the_default_and_generic_paths(layout, option, u
   make = osa.sparse_adamw if option == "decoupled_maximize" else osa.sparse_adam
   runs = {
     forced: _train(make(**kwargs), shape, batches, use_jit=use_jit, forced=forced)
-    for forced in (None, dispatch.ACCELERATOR, dispatch.GENERIC_XLA)
+    for forced in (None, choice.ACCELERATOR, choice.GENERIC_XLA)
   }
-  _assert_same(runs[dispatch.ACCELERATOR], runs[None])
-  _assert_same(runs[dispatch.ACCELERATOR], runs[dispatch.GENERIC_XLA])
+  _assert_same(runs[choice.ACCELERATOR], runs[None])
+  _assert_same(runs[choice.ACCELERATOR], runs[choice.GENERIC_XLA])
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "f16"])
@@ -128,7 +128,7 @@ def test_accelerator_step_with_low_precision_params_and_f32_moments(dtype):
   opt = osa.sparse_adam(1e-2, mu_dtype=jnp.float32, nu_dtype=jnp.float32)
   runs = [
     _train(opt, shape, batches, use_jit=True, forced=forced, dtype=dtype)
-    for forced in (None, dispatch.ACCELERATOR)
+    for forced in (None, choice.ACCELERATOR)
   ]
   _assert_same(runs[0], runs[1])
 
@@ -148,9 +148,9 @@ def test_accelerator_apply_updates(use_jit):
   unique = _update(np.array([[2], [7], [11], [29], [30], [-1], [0], [5]], np.int32), val, (30, 6))
   repeated = _update(np.array([[7], [2], [7], [29], [-1], [30], [2], [7]], np.int32), val, (30, 6))
   for update in (unique, repeated):
-    with dispatch.choose(forced=dispatch.ACCELERATOR):
+    with choice.choose(forced=choice.ACCELERATOR):
       on_accelerator = apply(param, update)
-    with dispatch.choose(forced=dispatch.GENERIC_XLA):
+    with choice.choose(forced=choice.GENERIC_XLA):
       generic = apply(param, update)
     expected = np.asarray(param, np.float64).copy()
     for i, v in zip(np.asarray(update.indices)[:, 0], val, strict=True):
@@ -179,7 +179,7 @@ def _traced(opt, *, forced, options_rows=NUM_ROWS):
   params = {"w": jnp.zeros((options_rows, DIM), jnp.float32)}
   grads = {"w": _grads((options_rows, DIM), 1, np.random.default_rng(0))}
   jitted = jax.jit(train_step(opt), donate_argnums=(0, 1))
-  with dispatch.choose(forced=forced):
+  with choice.choose(forced=forced):
     return jitted.trace(params, opt.init(params), grads), params
 
 
@@ -190,7 +190,7 @@ def _traced(opt, *, forced, options_rows=NUM_ROWS):
 )
 def test_compiled_accelerator_step_has_no_loop_and_no_table_sized_temporary(options):
   opt = osa.sparse_adam(1e-3, **options)
-  traced, params = _traced(opt, forced=dispatch.ACCELERATOR)
+  traced, params = _traced(opt, forced=choice.ACCELERATOR)
   compiled = traced.lower().compile()
   text = compiled.as_text()
   assert not re.search(r"\bwhile\(", text), "a while loop in the accelerator step"
@@ -251,6 +251,6 @@ def test_step_lowered_for_an_accelerator_is_the_accelerator_path(platform, optio
 
 def test_the_lowering_check_can_fail():
   """The generic XLA path, lowered for CUDA, writes a fourth table (its slot marks in m)."""
-  lowered = _lowered(osa.sparse_adam(1e-3), "cuda", forced=dispatch.GENERIC_XLA)
+  lowered = _lowered(osa.sparse_adam(1e-3), "cuda", forced=choice.GENERIC_XLA)
   writes = _table_writes(lowered, f"tensor<{NUM_ROWS}x{DIM}xf32>")
   assert writes.get("stablehlo.scatter") == 4, writes

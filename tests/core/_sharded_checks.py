@@ -31,7 +31,7 @@ from jax.sharding import AxisType, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import optax_sparse_adam as osa  # noqa: E402
-from optax_sparse_adam._backends import dispatch  # noqa: E402
+from optax_sparse_adam._backends import choice  # noqa: E402
 
 NUM_DEVICES = 8
 NUM_ROWS, DIM, BATCH, STEPS = 32768, 16, 64, 3
@@ -189,8 +189,8 @@ def main():
   runs += [("auto", "row", "amsgrad_per_row_wd", False, None)]
   runs += [("explicit", "row", "amsgrad_per_row_wd", True, None)]
   # The accelerator step (GPU/TPU), forced onto these CPU devices, on sharded tables.
-  runs += [("auto", "row", "plain", False, dispatch.ACCELERATOR)]
-  runs += [("explicit", "row", "amsgrad_per_row_wd", False, dispatch.ACCELERATOR)]
+  runs += [("auto", "row", "plain", False, choice.ACCELERATOR)]
+  runs += [("explicit", "row", "amsgrad_per_row_wd", False, choice.ACCELERATOR)]
   for mode, layout, opt_name, jit_init, forced in runs:
     axis_type = AxisType.Auto if mode == "auto" else AxisType.Explicit
     mesh = jax.make_mesh((NUM_DEVICES,), ("x",), axis_types=(axis_type,))
@@ -198,7 +198,7 @@ def main():
     # (a set mesh would hide a state scalar left off the mesh).
     with (
       jax.set_mesh(mesh) if mode == "explicit" else contextlib.nullcontext(),
-      dispatch.choose(forced=forced),
+      choice.choose(forced=forced),
     ):
       run = train(
         optimizers[opt_name], data, mesh=mesh, table_spec=TABLE_SPECS[layout], jit_init=jit_init

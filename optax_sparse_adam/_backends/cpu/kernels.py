@@ -8,8 +8,8 @@ parameter, with no amsgrad, weight decay or per-row bias correction, and arrays
 known to be on one device (XLA cannot partition a custom call: it would gather
 a sharded table onto every device, so possibly sharded tables keep the XLA
 path). Everything else runs XLA ops; `lax.platform_dependent` picks per backend
-when the step is lowered (`_backends.dispatch`). Under `jax.vmap` the kernels run once
-per batch element.
+when the step is lowered (`_backends.dispatch`). Under `jax.vmap` the kernels
+run once per batch element.
 
 Set `OPTAX_SPARSE_ADAM_CPU_KERNELS=0` (before the first step is traced), or use
 `use_cpu_kernels(False)`, to use the XLA path on the CPU too.
@@ -19,6 +19,7 @@ import contextlib
 import ctypes
 import functools
 import importlib.machinery
+import math
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -26,8 +27,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from optax_sparse_adam._backends import dispatch
+from optax_sparse_adam._backends import choice
 from optax_sparse_adam._core import sharding
+from optax_sparse_adam._core.adam import RowsStep, StepOptions, TableState
+from optax_sparse_adam._core.bcoo import RowLayout
 
 _ADAM_ROWS = "optax_sparse_adam_adam_rows_f32"
 _SCATTER_ADD_ROWS = "optax_sparse_adam_scatter_add_rows_f32"
@@ -78,10 +81,10 @@ def available() -> bool:
 
 def enabled() -> bool:
   """Whether steps traced now may use the kernels on the CPU (built, and switched on)."""
-  return dispatch.cpu_kernels_wanted() and available()
+  return choice.cpu_kernels_wanted() and available()
 
 
-def applies(arrays: Sequence[Any], *, nse: int, num_rows: int, row_size: int) -> bool:
+def _applies(arrays: Sequence[Any], *, nse: int, num_rows: int, row_size: int) -> bool:
   """Whether a kernel may run a step on `arrays` (all float32) at trace time.
 
   Also needs at least one entry and one row of at least one value, no mesh with
@@ -98,6 +101,34 @@ def applies(arrays: Sequence[Any], *, nse: int, num_rows: int, row_size: int) ->
     and not sharding.explicit_axes()
     and enabled()
     and sharding.on_one_cpu_device(arrays)
+  )
+
+
+def step_applies(
+  values: jax.Array, tables: TableState, *, layout: RowLayout, options: StepOptions
+) -> bool:
+  """Whether `rows_step` computes this step: float32, no amsgrad, weight decay or per-row steps."""
+  return (
+    tables.nu_max is None
+    and tables.row_step is None
+    and options.weight_decay == "none"
+    and options.step_size is not None
+    and _applies(
+      (values, tables.mu, tables.nu),
+      nse=values.shape[0],
+      num_rows=layout.num_rows,
+      row_size=math.prod(layout.dense_shape),
+    )
+  )
+
+
+def scatter_add_applies(param: jax.Array, values: jax.Array, *, layout: RowLayout) -> bool:
+  """Whether `scatter_add_rows` can apply this update: float32 parameter and values."""
+  return _applies(
+    (param, values),
+    nse=values.shape[0],
+    num_rows=layout.num_rows,
+    row_size=math.prod(layout.dense_shape),
   )
 
 
@@ -129,8 +160,39 @@ def use_cpu_kernels(enable: bool) -> Iterator[None]:
     >>> osa.apply_updates(params, updates)[1].round(3)
     Array([-0.1, -0.1], dtype=float32)
   """
-  with dispatch.choose(cpu_kernels=bool(enable)):
+  with choice.choose(cpu_kernels=bool(enable)):
     yield
+
+
+def rows_step(
+  rows: jax.Array,
+  values: jax.Array,
+  tables: TableState,
+  *,
+  layout: RowLayout,
+  options: StepOptions,
+) -> RowsStep:
+  """`xla.rows_step` by the fused kernel, for a step where `step_applies`."""
+  f32 = jnp.float32
+  coeffs = options.coeffs
+  coefficients = jnp.stack(
+    [
+      jnp.asarray(coeffs.one_minus_b1, f32),
+      jnp.asarray(coeffs.one_minus_b2, f32),
+      jnp.asarray(coeffs.eps, f32),
+      jnp.asarray(options.step_size, f32),
+    ]
+  )
+  unique_rows, delta, mu, nu = adam_rows(
+    rows,
+    values,
+    tables.mu,
+    tables.nu,
+    coefficients,
+    num_rows=layout.num_rows,
+    maximize=options.maximize,
+  )
+  return RowsStep(unique_rows, delta, TableState(mu, nu))
 
 
 def adam_rows(

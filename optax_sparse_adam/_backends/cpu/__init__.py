@@ -1,0 +1,1 @@
+"""The CPU backend: fused XLA FFI kernels for the step and the apply, and huge pages."""

@@ -1,0 +1,74 @@
+"""The checks of Adam's hyper-parameters, in torch's order and wording, for every front end."""
+
+from typing import Any
+
+import jax.numpy as jnp
+
+from optax_sparse_adam._core.errors import describe, is_python_number
+
+
+def is_real_scalar(value: Any) -> bool:
+  """A real number, or a 0-d array of a real dtype (as `optax.inject_hyperparams` passes)."""
+  if is_python_number(value):
+    return True
+  dtype = getattr(value, "dtype", None)
+  return (
+    dtype is not None
+    and getattr(value, "ndim", None) == 0
+    and (jnp.issubdtype(dtype, jnp.floating) or jnp.issubdtype(dtype, jnp.integer))
+  )
+
+
+def check_ranges(lr: Any, b1: Any, b2: Any, eps: Any, weight_decay: Any = 0.0) -> None:
+  """torch.optim's range checks and messages, in its order, for the values that are numbers.
+
+  Values that are arrays (traced, or given by `optax.inject_hyperparams`) are
+  not checked: their values are not known here.
+  """
+  if is_python_number(lr) and not 0.0 < lr:
+    raise ValueError(f"Invalid learning rate: {lr}")
+  if is_python_number(eps) and not 0.0 < eps:
+    raise ValueError(f"Invalid epsilon value: {eps}")
+  if is_python_number(b1) and not 0.0 <= b1 < 1.0:
+    raise ValueError(f"Invalid beta parameter at index 0: {b1}")
+  if is_python_number(b2) and not 0.0 <= b2 < 1.0:
+    raise ValueError(f"Invalid beta parameter at index 1: {b2}")
+  if is_python_number(weight_decay) and not 0.0 <= weight_decay:
+    raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+
+
+def check_hyperparams(
+  learning_rate: Any, b1: Any, b2: Any, eps: Any, weight_decay: Any = 0.0
+) -> None:
+  """torch's constructor checks, in torch's order and wording, for concrete numbers.
+
+  Every hyper-parameter must be a real number or a 0-d real array; the values of
+  arrays (as `optax.inject_hyperparams` passes) are not checked. Schedules are
+  checked by the caller.
+  """
+  for name, value in (
+    ("learning_rate", learning_rate),
+    ("b1", b1),
+    ("b2", b2),
+    ("eps", eps),
+    ("weight_decay", weight_decay),
+  ):
+    if not is_real_scalar(value):
+      raise TypeError(
+        f"Invalid {name}: {value!r} ({describe(value)}); expected a float or a "
+        "0-d real array" + (", or an optax.Schedule." if name == "learning_rate" else ".")
+      )
+  check_ranges(learning_rate, b1, b2, eps, weight_decay)
+
+
+def moment_dtype(dtype: Any, name: str) -> Any:
+  """`dtype` as a NumPy dtype, refused unless it is a real floating dtype."""
+  if dtype is None:
+    return None
+  try:
+    dtype = jnp.dtype(dtype)
+  except TypeError as err:
+    raise TypeError(f"Invalid {name}: {dtype!r} is not a dtype.") from err
+  if not jnp.issubdtype(dtype, jnp.floating):
+    raise TypeError(f"Invalid {name}: {dtype}; expected a real floating dtype such as float32.")
+  return dtype
