@@ -9,7 +9,20 @@ nn.Embedding(sparse=True) builds them. Both start from the same tables and see
 the same batches, so their loss curves coincide.
 
 Run: python examples/port_pytorch_recipe.py  (the torch half runs if torch is installed)
+
+Gallery:
+  title: Porting a torch.optim.SparseAdam recipe
+  extras: examples
+  optional extras: torch
+  shows: an nn.Embedding(sparse=True) + SparseAdam recipe and its torch_compat port, with loss
+    curves side by side
+  run time: 5.1 s (with torch installed) on the 2-core shared CPU VM of the project, under nice,
+    2026-11-23
 """
+
+import _gallery  # the extras this example needs, read from the Gallery block above
+
+_gallery.require_extras(__doc__, __file__)
 
 import argparse
 import time

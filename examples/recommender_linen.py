@@ -13,7 +13,18 @@ MovieLens-format ratings (user,item,rating[,timestamp]).
 
   python examples/recommender_linen.py
   python examples/recommender_linen.py --data ml-1m/ratings.dat --steps 2000
+
+Gallery:
+  title: Two-tower recommender in Flax Linen
+  extras: flax, examples
+  shows: LinenSparseEmbed + SparseTrainState against nn.Embed + optax.adam in a TrainState: loss
+    curves, test RMSE, time per step
+  run time: 8.2 s on the 2-core shared CPU VM of the project, under nice, 2026-11-23
 """
+
+import _gallery  # the extras this example needs, read from the Gallery block above
+
+_gallery.require_extras(__doc__, __file__)
 
 import argparse
 import functools

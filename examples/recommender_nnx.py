@@ -12,7 +12,18 @@ MovieLens-format ratings (user,item,rating[,timestamp]).
 
   python examples/recommender_nnx.py
   python examples/recommender_nnx.py --data ml-100k/u.data --steps 2000
+
+Gallery:
+  title: Two-tower recommender in Flax NNX
+  extras: flax, examples
+  shows: SparseEmbed + SparseOptimizer against nnx.Embed + optax.adam from the same weights:
+    loss curves, test RMSE, time per step
+  run time: 8.5 s on the 2-core shared CPU VM of the project, under nice, 2026-11-23
 """
+
+import _gallery  # the extras this example needs, read from the Gallery block above
+
+_gallery.require_extras(__doc__, __file__)
 
 import argparse
 import time

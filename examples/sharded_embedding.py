@@ -11,9 +11,20 @@ On a CPU-only machine the script makes 8 host devices
 (--xla_force_host_platform_device_count), so it shows the layout without
 accelerators; on GPUs or TPUs the same code uses the real devices.
 
-  python examples/sharded_embedding.py            # < 1 minute on a laptop CPU
+  python examples/sharded_embedding.py
   python examples/sharded_embedding.py --steps 2000 --users 1000000
+
+Gallery:
+  title: Sharded embedding tables
+  extras: examples
+  shows: user and item tables row-sharded over 8 (forced CPU) devices, trained by sparse_adam
+    under jit
+  run time: 12.0 s on the 2-core shared CPU VM of the project, under nice, 2026-11-23
 """
+
+import _gallery  # the extras this example needs, read from the Gallery block above
+
+_gallery.require_extras(__doc__, __file__)
 
 import argparse
 import os

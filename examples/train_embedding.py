@@ -4,9 +4,21 @@ Two embedding tables (users, items) predict ratings as dot products. The gradien
 of each table is a BCOO (the looked-up ids and the cotangents of the looked-up
 rows), so a step reads and writes only the rows in the batch, never the tables.
 
-    python examples/train_embedding.py            # about 10-15 s on a 2-core CPU
+    python examples/train_embedding.py
     python examples/train_embedding.py --help
+
+Gallery:
+  title: Matrix factorisation in plain JAX and optax
+  extras: none
+  optional extras: examples
+  shows: two BCOO-gradient tables trained by sparse_adam in a jitted, donated step; loss curve
+    and held-out RMSE
+  run time: 6.9 s on the 2-core shared CPU VM of the project, under nice, 2026-11-23
 """
+
+import _gallery  # the extras this example needs, read from the Gallery block above
+
+_gallery.require_extras(__doc__, __file__)
 
 import argparse
 import time

@@ -29,8 +29,7 @@ from optax_sparse_adam._core.multi_steps import sparse_multi_steps as sparse_mul
 from optax_sparse_adam._core.transform import SparseAdamState as SparseAdamState
 from optax_sparse_adam._core.transform import sparse_adam as sparse_adam
 from optax_sparse_adam._core.transform import sparse_adamw as sparse_adamw
-
-__version__ = "0.1.0"
+from optax_sparse_adam._version import __version__ as __version__
 
 __all__ = (
   "AdamCoefficients",

@@ -14,6 +14,7 @@ MODULES = [
   "optax_sparse_adam._backends.cpu.kernels",
   "optax_sparse_adam._backends.cpu.huge_pages",
   "optax_sparse_adam.flax._nnx",
+  "optax_sparse_adam.flax._bag",
   "optax_sparse_adam.flax._grads",
   "optax_sparse_adam.flax._optimizer",
   "optax_sparse_adam.torch_compat._sparse_adam",

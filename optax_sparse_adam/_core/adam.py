@@ -19,6 +19,8 @@ Nothing here knows which backend runs it; `StepOptions` and `TableState` are
 what the core hands a backend (`_backends.dispatch`).
 """
 
+from __future__ import annotations
+
 import math
 from typing import Any, Literal, NamedTuple
 
@@ -85,7 +87,7 @@ class StepOptions(NamedTuple):
       every product is rounded before it is added, as torch does (`adam_rows`).
   """
 
-  coeffs: "AdamCoefficients"
+  coeffs: AdamCoefficients
   step_size: jax.Array | None
   maximize: bool
   weight_decay: WeightDecay

@@ -1,5 +1,7 @@
 """`apply_updates`: BCOO updates applied by scatter-add, dense ones as `optax.apply_updates`."""
 
+from __future__ import annotations
+
 from typing import Any
 
 import jax

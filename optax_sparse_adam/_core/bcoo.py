@@ -10,6 +10,8 @@ All shapes here are static: a step over `nse` gradient entries works on arrays
 of length `nse`, whatever the size of the table.
 """
 
+from __future__ import annotations
+
 import math
 from collections.abc import Sequence
 from typing import Any, NamedTuple

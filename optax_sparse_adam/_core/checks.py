@@ -6,6 +6,8 @@ out-of-range indices as BCOO padding and lets NaN flow into the touched rows, as
 leaf's path, when asked; they are kept out of the default transform.
 """
 
+from __future__ import annotations
+
 from collections.abc import Sequence
 from typing import Any
 

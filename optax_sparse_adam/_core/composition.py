@@ -15,6 +15,8 @@ cannot be lifted this way; `sparse_apply_if_finite` (here) and
 `optax.MultiSteps` for BCOO gradients.
 """
 
+from __future__ import annotations
+
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 

@@ -8,6 +8,8 @@ Under a mesh with `Explicit` axes both run in an auto-axes region
 (`_core.sharding`).
 """
 
+from __future__ import annotations
+
 from collections.abc import Sequence
 from typing import Any
 

@@ -5,6 +5,8 @@ entries are appended to a `RowBuffer` of `max_nse` entries and coalesced when
 the inner transformation runs, every `every_k_schedule` mini-steps.
 """
 
+from __future__ import annotations
+
 from typing import Any, NamedTuple
 
 import jax

@@ -1,5 +1,7 @@
 """Optax glue: the `sparse_adam` and `sparse_adamw` transformations and their state."""
 
+from __future__ import annotations
+
 from typing import Any, NamedTuple
 
 import jax
@@ -100,13 +102,18 @@ def _check_grads(
       continue
     if not isinstance(grad, sparse.BCOO):
       raise TypeError(
-        f"sparse_adam does not support dense gradients, please consider Adam "
-        f"instead: the gradient at {path_str(path)} is dense "
-        f"({describe(grad)}). Give it to optax.adam, or route dense and sparse "
-        "leaves apart with optax.multi_transform({'sparse': sparse_adam(...), "
-        "'dense': optax.adam(...)}, labels). If it is wrapped in "
-        "optax.MultiSteps, which accumulates gradients densely, use "
-        "optax_sparse_adam.sparse_multi_steps instead."
+        f"sparse_adam needs BCOO gradients, but the gradient at {path_str(path)} is "
+        f"dense ({describe(grad)}). If it comes from jax.grad through a table lookup "
+        "(table[ids]), differentiate with respect to the gathered rows instead and "
+        "build the BCOO: rows = table[ids]; row_grads = jax.grad(loss_of_rows)(rows); "
+        "grad = jax.experimental.sparse.BCOO((row_grads, ids[:, None]), "
+        "shape=table.shape). With Flax, optax_sparse_adam.sparse_value_and_grad does "
+        "this for osa.SparseEmbed / LinenSparseEmbed tables. If the parameter is not "
+        "an embedding table, give it to optax.adam, or route dense and sparse leaves "
+        "apart with optax.multi_transform({'sparse': sparse_adam(...), "
+        "'dense': optax.adam(...)}, labels). If it is wrapped in optax.MultiSteps, "
+        "which accumulates gradients densely, use optax_sparse_adam.sparse_multi_steps "
+        "instead."
       )
     bcoo.row_layout(grad, state.mu.shape, path)
     if param is not None and tuple(jnp.shape(param)) != tuple(state.mu.shape):

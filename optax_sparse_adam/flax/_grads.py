@@ -5,6 +5,8 @@ are looked up with which ids shapes (`_tables._Tape`), then with a zero
 perturbation per lookup, whose cotangents are the rows' gradients.
 """
 
+from __future__ import annotations
+
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -78,13 +80,17 @@ def _nnx_value_and_grad(fun, argnums, has_aux, wrt, args, kwargs):
       loss, aux = _split_output(fun(*call_args, **kwargs), has_aux)
     _check_loss(loss)
     new_rest = nnx.as_pure(nnx.state(model, nnx.Not(wrt)))
-    return loss, (aux, tape.ids, new_rest)
+    # Tables a lookup wrote (max_norm's in-place renorm) go back to the module too.
+    table_state = nnx.state(model, nnx.All(SparseTable, wrt))
+    new_tables = [v.get_value() for v in jax.tree.leaves(table_state, is_leaf=_is_variable)]
+    written = [n if n is not a else None for n, a in zip(new_tables, arrays, strict=True)]
+    return loss, (aux, tape.ids, (new_rest, written))
 
   pure_params, pure_rest = nnx.as_pure(params), nnx.as_pure(rest)
   # Shape pass: which tables are looked up, how many times, with which ids shapes.
   _, (_, recorded, _) = jax.eval_shape(call, pure_params, None, arrays, pure_rest)
   perturbations = _zero_perturbations(arrays, recorded)
-  (loss, (aux, ids, new_rest)), (param_grads, cotangents) = jax.value_and_grad(
+  (loss, (aux, ids, (new_rest, written))), (param_grads, cotangents) = jax.value_and_grad(
     call, argnums=(0, 1), has_aux=True
   )(pure_params, perturbations, arrays, pure_rest)
   param_grads = jax.tree.map(
@@ -98,6 +104,17 @@ def _nnx_value_and_grad(fun, argnums, has_aux, wrt, args, kwargs):
     ],
   )
   nnx.update(target, new_rest)
+  if any(w is not None for w in written):
+    nnx.update(
+      target,
+      jax.tree.unflatten(
+        tables_def,
+        [
+          v.replace(value=a if w is None else w)
+          for v, a, w in zip(table_vars, arrays, written, strict=True)
+        ],
+      ),
+    )
   return (loss, aux), nnx.merge_state(param_grads, table_grads)
 
 

@@ -1,5 +1,7 @@
 """`SparseEmbed`: an NNX embedding whose table gets BCOO gradients."""
 
+from __future__ import annotations
+
 from collections.abc import Callable
 from typing import Any
 
@@ -7,6 +9,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from optax_sparse_adam.flax import _options
 from optax_sparse_adam.flax._tables import SparseTable, default_embed_init, embedding_lookup
 
 
@@ -15,11 +18,23 @@ class SparseEmbed(nnx.Module):
 
   A drop-in for `nnx.Embed` (same initializer, same call), except that ids
   outside `[0, num_embeddings)` read zero rows instead of NaNs. Under
-  `nnx.grad` it behaves like `nnx.Embed` (dense gradient).
+  `nnx.grad` it behaves like `nnx.Embed` (dense gradient). The options of torch's
+  `nn.Embedding(sparse=True)` are available with torch's semantics (see
+  docs/porting/embeddings.md).
 
   Args:
     num_embeddings: number of rows `V`.
     features: row width `D`.
+    padding_idx: a row that lookups read but that gets no gradient entry, so
+      the optimizer never touches it (its value and moments stay bit-exact);
+      zeroed at initialisation, as torch. Negative counts from the end.
+    max_norm: if set, each lookup first renormalises, in place in the table
+      variable, the looked-up rows whose `norm_type`-norm exceeds it, to
+      `max_norm / (norm + 1e-7)` times themselves (torch's forward).
+    norm_type: p of the p-norm for `max_norm` (default 2).
+    scale_grad_by_freq: scale each id's gradient entries by the inverse of its
+      count in the call's ids (torch's dense semantics; torch refuses it with
+      `sparse=True`).
     dtype: dtype of the returned rows; default the table's.
     param_dtype: dtype of the table.
     embedding_init: initializer of the table.
@@ -41,6 +56,10 @@ class SparseEmbed(nnx.Module):
     num_embeddings: int,
     features: int,
     *,
+    padding_idx: int | None = None,
+    max_norm: float | None = None,
+    norm_type: float = 2.0,
+    scale_grad_by_freq: bool = False,
     dtype: Any = None,
     param_dtype: Any = jnp.float32,
     embedding_init: Callable[..., jax.Array] = default_embed_init,
@@ -48,11 +67,29 @@ class SparseEmbed(nnx.Module):
   ):
     self.num_embeddings = num_embeddings
     self.features = features
+    self.padding_idx = _options.check_padding_idx(padding_idx, num_embeddings, "SparseEmbed")
+    _options.check_max_norm(max_norm, norm_type, "SparseEmbed")
+    self.max_norm, self.norm_type = max_norm, norm_type
+    self.scale_grad_by_freq = scale_grad_by_freq
     self.dtype = dtype
     self.embedding = SparseTable(
-      embedding_init(rngs.params(), (num_embeddings, features), param_dtype)
+      _options.zero_padding_row(
+        embedding_init(rngs.params(), (num_embeddings, features), param_dtype), self.padding_idx
+      )
     )
 
   def __call__(self, inputs: jax.Array) -> jax.Array:
-    rows = embedding_lookup(self.embedding, inputs)
+    if self.max_norm is not None:
+      self.embedding.set_value(
+        _options.renormalised_table(
+          self.embedding.get_value(), inputs, self.max_norm, self.norm_type
+        )
+      )
+    rows = _options.embedding_rows(
+      lambda ids: embedding_lookup(self.embedding, ids),
+      self.embedding.get_value(),
+      jnp.asarray(inputs),
+      padding_idx=self.padding_idx,
+      scale_grad_by_freq=self.scale_grad_by_freq,
+    )
     return rows if self.dtype is None else rows.astype(self.dtype)

@@ -1,5 +1,7 @@
 """Optimizers for the Flax glue: labels for `multi_transform`, and scatter-add application."""
 
+from __future__ import annotations
+
 from typing import Any
 
 import jax
@@ -115,7 +117,7 @@ class SparseTrainState(train_state.TrainState):
   """
 
   @classmethod
-  def create(cls, *, apply_fn: Any, params: Any, tx: Any, **kwargs: Any) -> "SparseTrainState":
+  def create(cls, *, apply_fn: Any, params: Any, tx: Any, **kwargs: Any) -> SparseTrainState:
     """Like `TrainState.create`, with `step` an int32 array.
 
     `TrainState.create` starts `step` as the Python int 0, which makes a jitted
@@ -124,7 +126,7 @@ class SparseTrainState(train_state.TrainState):
     state = super().create(apply_fn=apply_fn, params=params, tx=tx, **kwargs)
     return state.replace(step=jnp.zeros([], jnp.int32))
 
-  def apply_gradients(self, *, grads: Any, **kwargs: Any) -> "SparseTrainState":
+  def apply_gradients(self, *, grads: Any, **kwargs: Any) -> SparseTrainState:
     """Returns the state after one optimizer step: `step + 1`, new params and opt_state.
 
     Args:

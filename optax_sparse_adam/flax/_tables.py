@@ -15,6 +15,8 @@ holds) or a Linen `SparseTableBox` (what `LinenSparseEmbed` stores in
 `params`).
 """
 
+from __future__ import annotations
+
 import contextlib
 import threading
 from collections.abc import Sequence
@@ -61,14 +63,14 @@ class SparseTableBox(struct.PyTreeNode, meta.AxisMetadata):
   def unbox(self) -> Any:
     return self.value
 
-  def replace_boxed(self, val: Any) -> "SparseTableBox":
+  def replace_boxed(self, val: Any) -> SparseTableBox:
     return self.replace(value=val)
 
-  def add_axis(self, index: int, params: dict[Any, Any]) -> "SparseTableBox":
+  def add_axis(self, index: int, params: dict[Any, Any]) -> SparseTableBox:
     del index, params
     return self
 
-  def remove_axis(self, index: int, params: dict[Any, Any]) -> "SparseTableBox":
+  def remove_axis(self, index: int, params: dict[Any, Any]) -> SparseTableBox:
     del index, params
     return self
 
@@ -94,6 +96,13 @@ class _Tape:
     self.index_of = {id(table): i for i, table in enumerate(tables)}
     self.perturbations = perturbations
     self.ids: list[list[jax.Array]] = [[] for _ in tables]
+    self.replacements: list[jax.Array] = []  # keeps replaced tables alive, so ids stay unique
+
+  def replace(self, old: jax.Array, new: jax.Array) -> None:
+    i = self.index_of.get(id(old))
+    if i is not None:
+      self.index_of[id(new)] = i
+      self.replacements.append(new)
 
   def lookup(self, table: jax.Array, ids: jax.Array) -> jax.Array | None:
     i = self.index_of.get(id(table))
@@ -132,6 +141,13 @@ def _recording(tape: _Tape):
     yield tape
   finally:
     stack.pop()
+
+
+def replace_table(old: jax.Array, new: jax.Array) -> None:
+  """Records that `new` (a renormalised `old`) is the same table for the lookups that follow."""
+  tape = _active_tape()
+  if tape is not None:
+    tape.replace(old, new)
 
 
 def _gather(table: jax.Array, ids: jax.Array) -> jax.Array:

@@ -12,8 +12,10 @@ It has the behaviour of `torch.optim.SparseAdam` and `torch.optim.Optimizer`:
 param groups, `state_dict`/`load_state_dict` in torch's layout (checkpoints move
 both ways between torch and JAX), hooks, `zero_grad`, and bit-for-bit torch's
 float32 numerics. The arithmetic is the library's one implementation
-(`optax_sparse_adam.sparse_adam_leaf_step`); torch is never imported unless a torch tensor
-or checkpoint is handed in.
+(`optax_sparse_adam.sparse_adam_leaf_step`). torch is optional: where it is
+installed, it is imported with this module and `SparseAdam` is also a
+`torch.optim.Optimizer` (so torch's lr schedulers accept it); where it is not,
+everything but the torch checkpoint functions works without it.
 """
 
 from optax_sparse_adam.torch_compat._convert import load_torch_checkpoint as load_torch_checkpoint

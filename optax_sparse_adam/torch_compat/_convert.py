@@ -14,6 +14,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from optax_sparse_adam.torch_compat import _atomic_file
+
 _TORCH_MISSING = (
   "{what} needs torch, which is not installed: pip install 'optax_sparse_adam[torch]'."
 )
@@ -79,16 +81,25 @@ def state_dict_to_torch(state_dict: Mapping[str, Any]) -> dict[str, Any]:
   return convert(state_dict)
 
 
-def save_torch_checkpoint(state_dict: Mapping[str, Any], path: str | os.PathLike) -> None:
+def save_torch_checkpoint(state_dict: Mapping[str, Any], path: str | os.PathLike | Any) -> None:
   """Writes a state dict with `torch.save`, arrays as torch tensors, for `torch.load`.
+
+  Crash-safe: the checkpoint is written to a temporary file in the same
+  directory, flushed and fsynced, then renamed over `path`. A crash, a kill or
+  a full disk during the save leaves the previous file at `path` intact.
 
   Args:
     state_dict: a dict from `SparseAdam.state_dict()` (or any nesting of them).
-    path: the file to write.
+    path: the file to write; a binary file object (e.g. `io.BytesIO`) is
+      written to directly, as `torch.save` does, with no crash safety.
   """
   import torch
 
-  torch.save(state_dict_to_torch(state_dict), path)
+  tensors = state_dict_to_torch(state_dict)
+  if hasattr(path, "write"):
+    torch.save(tensors, path)
+    return
+  _atomic_file.write_atomically(path, lambda file: torch.save(tensors, file))
 
 
 def load_torch_checkpoint(path: str | os.PathLike) -> dict[str, Any]:

@@ -4,9 +4,16 @@ Param groups, per-parameter state, `state_dict`/`load_state_dict` in torch's
 layout, `zero_grad` and the six kinds of hooks, with torch's order of checks and
 its error wording (often followed by details torch does not give). Subclasses
 implement `step` and `_load_param_state`.
+
+When torch is installed, `Optimizer` also derives from `torch.optim.Optimizer`,
+so that everything in torch that checks `isinstance(optimizer, Optimizer)` (the
+learning-rate schedulers, `SWALR`, ...) accepts it. Every method that such code
+calls is defined here; torch's `__init__` never runs and no torch tensor is made.
+Without torch the class stands alone and torch is never imported.
 """
 
 import functools
+import sys
 import warnings
 from collections import OrderedDict, defaultdict
 from collections.abc import Callable, Iterable
@@ -23,6 +30,18 @@ from optax_sparse_adam.torch_compat._parameter import Parameter
 
 StateDict = dict[str, Any]
 
+# Appended to torch's wording where it says "Tensor".
+_TENSOR_HINT = " (here a Tensor is an optax_sparse_adam.torch_compat.Parameter)"
+
+_HOOK_DICTS = (
+  "_optimizer_step_pre_hooks",
+  "_optimizer_step_post_hooks",
+  "_optimizer_state_dict_pre_hooks",
+  "_optimizer_state_dict_post_hooks",
+  "_optimizer_load_state_dict_pre_hooks",
+  "_optimizer_load_state_dict_post_hooks",
+)
+
 
 def _typename(x: Any) -> str:
   cls = type(x)
@@ -30,17 +49,41 @@ def _typename(x: Any) -> str:
   return cls.__qualname__ if module == "builtins" else f"{module}.{cls.__qualname__}"
 
 
+def _torch_optimizer_bases() -> tuple[type, ...]:
+  """`(torch.optim.Optimizer,)` when torch is installed, else `()`."""
+  try:
+    from torch.optim import Optimizer as TorchOptimizer
+  except ImportError:
+    return ()
+  return (TorchOptimizer,)
+
+
+def _global_step_hooks() -> tuple[list[Callable], list[Callable]]:
+  """The hooks of torch's `register_optimizer_step_pre_hook`/`_post_hook`, if torch is loaded."""
+  torch_optimizer = sys.modules.get("torch.optim.optimizer")
+  if torch_optimizer is None:
+    return [], []
+  return (
+    list(torch_optimizer._global_optimizer_pre_hooks.values()),
+    list(torch_optimizer._global_optimizer_post_hooks.values()),
+  )
+
+
 def with_step_hooks(step: Callable) -> Callable:
   """Runs the step pre- and post-hooks around `step`, as torch's `profile_hook_step`.
 
-  As in torch, hooks receive `args` including the optimizer itself, and a
-  pre-hook may return `(new_args, new_kwargs)` to replace the call's arguments.
+  torch's order: the global pre-hooks (`torch.optim.optimizer.
+  register_optimizer_step_pre_hook`), this optimizer's pre-hooks, the step,
+  this optimizer's post-hooks, the global post-hooks. As in torch, hooks receive
+  `args` including the optimizer itself, and a pre-hook may return
+  `(new_args, new_kwargs)` to replace the call's arguments.
   """
 
   @functools.wraps(step)
   def wrapper(*args: Any, **kwargs: Any) -> Any:
     self = args[0]
-    for pre_hook in list(self._optimizer_step_pre_hooks.values()):
+    global_pre_hooks, global_post_hooks = _global_step_hooks()
+    for pre_hook in global_pre_hooks + list(self._optimizer_step_pre_hooks.values()):
       result = pre_hook(self, args, kwargs)
       if result is not None:
         if isinstance(result, tuple) and len(result) == 2:
@@ -50,15 +93,17 @@ def with_step_hooks(step: Callable) -> Callable:
             f"{step} must return None or a tuple of (new_args, new_kwargs), but got {result}."
           )
     out = step(*args, **kwargs)
-    for post_hook in list(self._optimizer_step_post_hooks.values()):
+    for post_hook in list(self._optimizer_step_post_hooks.values()) + global_post_hooks:
       post_hook(self, args, kwargs)
     return out
 
   return wrapper
 
 
-class Optimizer:
+class Optimizer(*_torch_optimizer_bases()):
   """Base class with `torch.optim.Optimizer`'s behaviour; see `SparseAdam`.
+
+  A `torch.optim.Optimizer` (by inheritance) when torch is installed.
 
   Attributes:
     defaults: the options a param group gets when it does not give them.
@@ -71,17 +116,13 @@ class Optimizer:
 
   def __init__(self, params: Any, defaults: dict[str, Any]) -> None:
     self.defaults = defaults
-    self._optimizer_step_pre_hooks: OrderedDict = OrderedDict()
-    self._optimizer_step_post_hooks: OrderedDict = OrderedDict()
-    self._optimizer_state_dict_pre_hooks: OrderedDict = OrderedDict()
-    self._optimizer_state_dict_post_hooks: OrderedDict = OrderedDict()
-    self._optimizer_load_state_dict_pre_hooks: OrderedDict = OrderedDict()
-    self._optimizer_load_state_dict_post_hooks: OrderedDict = OrderedDict()
+    for name in _HOOK_DICTS:
+      setattr(self, name, OrderedDict())
 
-    if isinstance(params, Parameter) or hasattr(params, "__array__"):
+    if isinstance(params, (Parameter, sparse.BCOO)) or hasattr(params, "__array__"):
       raise TypeError(
-        "params argument given to the optimizer should be an iterable of "
-        "Parameters or dicts, but got " + _typename(params)
+        "params argument given to the optimizer should be an iterable of Tensors or dicts, "
+        f"but got {_typename(params)}{_TENSOR_HINT}"
       )
     self.state: defaultdict[Parameter, dict[str, Any]] = defaultdict(dict)
     self.param_groups: list[dict[str, Any]] = []
@@ -93,6 +134,17 @@ class Optimizer:
       param_groups = [{"params": param_groups}]
     for param_group in param_groups:
       self.add_param_group(param_group)
+
+  # Pickling and deepcopy, as torch: hooks (and a scheduler's patch of `step`) are not kept.
+
+  def __getstate__(self) -> dict[str, Any]:
+    return {"defaults": self.defaults, "state": self.state, "param_groups": self.param_groups}
+
+  def __setstate__(self, state: dict[str, Any]) -> None:
+    self.__dict__.update(state)
+    for name in _HOOK_DICTS:
+      self.__dict__.setdefault(name, OrderedDict())
+    self.defaults.setdefault("differentiable", False)
 
   def __repr__(self) -> str:
     text = self.__class__.__name__ + " ("
@@ -116,9 +168,11 @@ class Optimizer:
     if not isinstance(param_group, dict):
       raise TypeError(f"param_group must be a dict, but got {type(param_group)}")
     if "params" not in param_group:
-      raise ValueError(
+      # torch fails on `param_group["params"]` with a KeyError; same type, clearer words.
+      raise KeyError(
+        "params",
         "param_group must have a 'params' entry holding its Parameters, but got "
-        f"keys {sorted(param_group)}"
+        f"keys {sorted(map(str, param_group))}",
       )
     params = param_group["params"]
     if isinstance(params, Parameter):
@@ -147,11 +201,11 @@ class Optimizer:
       names = extracted_names
 
     for param in extracted_params:
-      if not isinstance(param, Parameter):
+      # A BCOO passes, as a sparse torch tensor does: SparseAdam then names its index.
+      if not isinstance(param, (Parameter, sparse.BCOO)):
         raise TypeError(
-          "optimizer can only optimize Parameters, but one of the params is "
-          + _typename(param)
-          + " (wrap arrays as optax_sparse_adam.torch_compat.Parameter(array))"
+          f"optimizer can only optimize Tensors, but one of the params is {_typename(param)}"
+          f"{_TENSOR_HINT}; wrap arrays as optax_sparse_adam.torch_compat.Parameter(array)"
         )
 
     candidate = dict(param_group)
@@ -333,11 +387,9 @@ class Optimizer:
     state: defaultdict[Parameter, dict[str, Any]] = defaultdict(dict)
     for k, v in saved_state.items():
       if k not in id_map:
-        raise ValueError(
-          f"loaded state dict has state for parameter id {k!r}, which none of its "
-          f"param groups lists (their ids: {sorted(id_map, key=str)}); it does not "
-          "belong to this optimizer's parameters"
-        )
+        # Not a parameter's id (e.g. what a state_dict hook added): kept as is, as torch does.
+        state[k] = v
+        continue
       gi, pi = where[k]
       state[id_map[k]] = self._load_param_state(
         id_map[k], v, f"parameter {k!r} (param_groups[{gi}]['params'][{pi}])"

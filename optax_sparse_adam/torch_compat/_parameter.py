@@ -1,5 +1,6 @@
 """`Parameter`: a mutable holder of a jax.Array, in the role of `torch.nn.Parameter`."""
 
+import functools
 from typing import Any
 
 import jax
@@ -7,6 +8,12 @@ import jax.numpy as jnp
 from jax.experimental import sparse
 
 from optax_sparse_adam.torch_compat import _convert
+
+
+@functools.cache
+def _optimizable(dtype: Any) -> bool:
+  # Cached: every step rebinds `data`, and the dtype checks cost more than the rebinding.
+  return bool(jnp.issubdtype(dtype, jnp.floating) or jnp.issubdtype(dtype, jnp.complexfloating))
 
 
 class Parameter:
@@ -42,16 +49,16 @@ class Parameter:
     if isinstance(value, Parameter):
       value = value.data
     if isinstance(value, sparse.BCOO):
-      raise TypeError(
+      # torch's SparseAdam raises ValueError for a sparse parameter; same type here.
+      raise ValueError(
         "Parameter data must be a dense array, but got a BCOO: SparseAdam requires "
-        "dense parameters (its gradients are the sparse ones)."
+        "dense parameter tensors (its gradients are the sparse ones)."
       )
     if _convert.is_torch_tensor(value):
       value = _convert.to_numpy(value)
-    value = jnp.asarray(value)
-    if not (
-      jnp.issubdtype(value.dtype, jnp.floating) or jnp.issubdtype(value.dtype, jnp.complexfloating)
-    ):
+    if not isinstance(value, jax.Array):
+      value = jnp.asarray(value)
+    if not _optimizable(value.dtype):
       raise TypeError(
         f"Parameter data must have a floating point (or complex) dtype, but got "
         f"{value.dtype}: only those can be optimized."
@@ -69,6 +76,14 @@ class Parameter:
   @property
   def ndim(self) -> int:
     return self._data.ndim
+
+  def __deepcopy__(self, memo: dict[int, Any]) -> "Parameter":
+    # As `torch.nn.Parameter`: the data is copied, the gradient is not.
+    return Parameter(jnp.array(self._data, copy=True))
+
+  def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+    # Pickled as `torch.nn.Parameter` is: the data, not the gradient.
+    return (Parameter, (self._data,))
 
   def __array__(self, dtype: Any = None, copy: Any = None) -> Any:
     import numpy as np

@@ -5,27 +5,33 @@ from typing import Any
 import numpy as np
 from jax.experimental import sparse
 
-from optax_sparse_adam._core import bcoo, hyperparams
+from optax_sparse_adam._core import bcoo
 from optax_sparse_adam.torch_compat import _convert, _step
 from optax_sparse_adam.torch_compat._optimizer import Optimizer, iter_params, with_step_hooks
 from optax_sparse_adam.torch_compat._parameter import Parameter
 
 _DENSE_GRAD = "SparseAdam does not support dense gradients, please consider Adam instead"
 _STATE_KEYS = ("step", "exp_avg", "exp_avg_sq")
+# A run-time int32 zero for the step (see `_step.fused_step`), made once.
+_OPAQUE_ZERO = np.zeros((), np.int32)
 
 
-def _complex_params(groups: list[dict[str, Any]], first_index: int = 0) -> list[list[int]]:
-  return [
-    [gi + first_index, pi]
-    for gi, pi, p in iter_params(groups)
-    if np.issubdtype(np.dtype(p.dtype), np.complexfloating)
-  ]
-
-
-def _complex_error(indices: list[list[int]]) -> ValueError:
-  return ValueError(
-    f"Complex params at indices {indices}: SparseAdam does not support complex parameters"
-  )
+def _check_dense_real_params(groups: list[dict[str, Any]], first_index: int = 0) -> None:
+  """torch's SparseAdam checks, wording and order: sparse params, then complex ones."""
+  sparse_params, complex_params = [], []
+  for gi, pi, p in iter_params(groups):
+    if isinstance(p, sparse.BCOO):
+      sparse_params.append([gi + first_index, pi])
+    if np.issubdtype(np.dtype(p.dtype), np.complexfloating):
+      complex_params.append([gi + first_index, pi])
+  if sparse_params:
+    raise ValueError(
+      f"Sparse params at indices {sparse_params}: SparseAdam requires dense parameter tensors"
+    )
+  if complex_params:
+    raise ValueError(
+      f"Complex params at indices {complex_params}: SparseAdam does not support complex parameters"
+    )
 
 
 def _as_step(value: Any, where: str) -> int:
@@ -80,6 +86,28 @@ def _as_moment(value: Any, param: Parameter, key: str, where: str) -> Any:
   return jax.device_put(array, param.data.sharding)
 
 
+# Gradient layouts (shapes and dtypes) that passed `bcoo.row_layout`: a step with the same
+# layout as an earlier one skips the checks, which cost more than a small step's dispatch.
+_CHECKED_LAYOUTS: set[tuple] = set()
+
+
+def _check_layout(grad: sparse.BCOO, param_shape: tuple[int, ...], path: tuple) -> None:
+  key = (
+    grad.shape,
+    grad.indices.shape,
+    grad.indices.dtype,
+    grad.data.shape,
+    grad.data.dtype,
+    param_shape,
+  )
+  if key in _CHECKED_LAYOUTS:
+    return
+  bcoo.row_layout(grad, param_shape, path)
+  if len(_CHECKED_LAYOUTS) > 4096:
+    _CHECKED_LAYOUTS.clear()
+  _CHECKED_LAYOUTS.add(key)
+
+
 class SparseAdam(Optimizer):
   r"""`torch.optim.SparseAdam` for `Parameter`s holding JAX arrays and BCOO gradients.
 
@@ -97,9 +125,14 @@ class SparseAdam(Optimizer):
   as torch does, so float32 results match torch bit for bit.
 
   One `step()` updates every parameter that has a gradient in one compiled
-  call, donating the parameters' and moments' buffers. Hyper-parameters enter
-  as arrays: editing `param_groups` between steps does not recompile; a new
-  set of gradient shapes (or of parameters with gradients) does.
+  call, donating the parameters' and moments' buffers. `lr`, `betas` and `eps`
+  enter as arrays: editing them between steps (as torch's lr schedulers do)
+  does not recompile; a new set of gradient shapes (or of parameters with
+  gradients) does, and so does a new `maximize` setting, once.
+
+  When torch is installed, this is a `torch.optim.Optimizer`: torch's
+  learning-rate schedulers (`torch.optim.lr_scheduler`) drive it as they drive
+  torch's SparseAdam, and torch's global step hooks run around its steps.
 
   Args:
     params: an iterable of `Parameter`s, of `(name, Parameter)` pairs, or of
@@ -139,23 +172,29 @@ class SparseAdam(Optimizer):
     self._initialized = False
     if _convert.is_array(lr) and _convert.to_numpy(lr).size != 1:
       raise ValueError("Tensor lr must be 1-element")
-    if not 0.0 < _step.lr_value(lr):
+    # torch's checks as torch writes them (not `hyperparams.check_ranges`, which skips what
+    # is no Python number): a value that is no number (None, a string) fails with Python's
+    # TypeError there, and so here, in the same order.
+    if not 0.0 < (_step.lr_value(lr) if _convert.is_array(lr) else lr):
       raise ValueError(f"Invalid learning rate: {lr}")
-    hyperparams.check_ranges(1.0, betas[0], betas[1], eps)
+    _step.lr_value(lr)
+    if not 0.0 < eps:
+      raise ValueError(f"Invalid epsilon value: {eps}")
+    if not 0.0 <= betas[0] < 1.0:
+      raise ValueError(f"Invalid beta parameter at index 0: {betas[0]}")
+    if not 0.0 <= betas[1] < 1.0:
+      raise ValueError(f"Invalid beta parameter at index 1: {betas[1]}")
     defaults = {"lr": lr, "betas": betas, "eps": eps, "maximize": maximize}
     super().__init__(params, defaults)
-    complex_params = _complex_params(self.param_groups)
-    if complex_params:
-      raise _complex_error(complex_params)
+    _check_dense_real_params(self.param_groups)
     self._initialized = True
 
   def _check_param_group(self, param_group: dict[str, Any], index: int) -> None:
     if _convert.is_array(param_group["lr"]):
       _step.lr_value(param_group["lr"], f"param group {index}'s lr")
     if self._initialized:
-      complex_params = _complex_params([param_group], first_index=index)
-      if complex_params:
-        raise _complex_error(complex_params)
+      # torch checks only in the constructor and fails later; here before the group is added.
+      _check_dense_real_params([param_group], first_index=index)
 
   def _check_loaded_group(self, group: dict[str, Any], where: str) -> None:
     _step.group_hyperparams(group, where)
@@ -214,7 +253,7 @@ class SparseAdam(Optimizer):
             f"{_DENSE_GRAD} ({path[0]} has a dense gradient of type "
             f"{type(grad).__name__}{'' if shape is None else f' with shape {tuple(shape)}'})"
           )
-        bcoo.row_layout(grad, p.shape, path)
+        _check_layout(grad, p.shape, path)
         if hyper is None:
           hyper = _step.group_hyperparams(group, where)
         todo.append((p, grad, hyper))
@@ -242,7 +281,13 @@ class SparseAdam(Optimizer):
           arrays[i] = jnp.copy(array)
         donated.add(id(arrays[i]))
     new_params, new_exp_avgs, new_exp_avg_sqs = _step.fused_step(
-      params, exp_avgs, exp_avg_sqs, grads, scalars, np.zeros((), np.int32)
+      params,
+      exp_avgs,
+      exp_avg_sqs,
+      grads,
+      scalars,
+      _OPAQUE_ZERO,
+      maximize=tuple(hyper.maximize for _, _, hyper in todo),
     )
     for (p, _, _), data, exp_avg, exp_avg_sq, step in zip(
       todo, new_params, new_exp_avgs, new_exp_avg_sqs, steps, strict=True

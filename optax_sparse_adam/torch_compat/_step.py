@@ -1,10 +1,13 @@
 """The torch adapter's step: every parameter with a gradient updated in one compiled call.
 
 Hyper-parameters reach the compiled function as arrays, never as constants, so
-editing `lr`, `betas`, `eps` or `maximize` between steps does not recompile.
-The scalars are computed on the host in float64 as torch computes them (the
-step size with `adam.torch_step_size`) and rounded once to the compute dtype,
-which is what torch does when it multiplies a float32 tensor by a Python float.
+editing `lr`, `betas` or `eps` between steps does not recompile. `maximize` is
+compiled in, as in the optax path: the gradient is then negated by the fused
+kernels (or after coalescing), not by a pass over every gradient entry; a group
+flipping it compiles once per setting. The scalars are computed on the host in
+float64 as torch computes them (the step size with `adam.torch_step_size`) and
+rounded once to the compute dtype, which is what torch does when it multiplies
+a float32 tensor by a Python float.
 """
 
 import functools
@@ -21,7 +24,7 @@ from optax_sparse_adam._core import adam, leaf
 from optax_sparse_adam.torch_compat import _convert
 
 # Positions in the per-parameter scalar vector.
-_STEP_SIZE, _ONE_MINUS_B1, _ONE_MINUS_B2, _EPS, _SIGN, _LR, _LOG_B1, _LOG_B2 = range(8)
+_STEP_SIZE, _ONE_MINUS_B1, _ONE_MINUS_B2, _EPS, _LR, _LOG_B1, _LOG_B2 = range(7)
 
 
 class GroupHyperparams(NamedTuple):
@@ -39,6 +42,8 @@ class GroupHyperparams(NamedTuple):
 
 
 def _number(value: Any, what: str) -> float:
+  if type(value) is float or type(value) is int:
+    return float(value)  # the usual case, every step: no array checks
   if isinstance(value, bool) or value is None or isinstance(value, (str, bytes)):
     raise TypeError(f"{what} must be a number, but got {value!r}")
   if _convert.is_array(value):
@@ -54,6 +59,8 @@ def _number(value: Any, what: str) -> float:
 
 def lr_value(lr: Any, what: str = "lr") -> float | np.ndarray:
   """A Python float, or a 0-d floating NumPy array for a 1-element array lr."""
+  if type(lr) is float:
+    return lr
   if _convert.is_array(lr):
     host = _convert.to_numpy(lr)
     if host.size != 1:
@@ -70,7 +77,7 @@ def group_hyperparams(group: dict, where: str) -> GroupHyperparams:
     if key not in group:
       raise ValueError(f"{where} has no {key!r} option; SparseAdam needs lr, betas and eps.")
   betas = group["betas"]
-  if _convert.is_array(betas):
+  if type(betas) is not tuple and _convert.is_array(betas):
     betas = list(_convert.to_numpy(betas).reshape(-1))
   try:
     b1, b2 = betas
@@ -79,7 +86,7 @@ def group_hyperparams(group: dict, where: str) -> GroupHyperparams:
       f"{where}['betas'] must be a pair (beta1, beta2), but got {group['betas']!r}"
     ) from err
   maximize = group.get("maximize", False)
-  if _convert.is_array(maximize):
+  if type(maximize) is not bool and _convert.is_array(maximize):
     maximize = bool(_convert.to_numpy(maximize).reshape(()))
   return GroupHyperparams(
     lr=lr_value(group["lr"], f"{where}['lr']"),
@@ -107,34 +114,30 @@ def step_size(lr: float | np.ndarray, b1: float, b2: float, step: int) -> Any:
 def host_scalars(hyper: GroupHyperparams, step: int, compute_dtype: Any) -> np.ndarray:
   """The per-parameter scalar vector, each entry rounded once to `compute_dtype`."""
 
-  values = [0.0] * 8
+  values = [0.0] * 7
   values[_STEP_SIZE] = step_size(hyper.lr, hyper.b1, hyper.b2, step)
   values[_ONE_MINUS_B1] = 1.0 - hyper.b1
   values[_ONE_MINUS_B2] = 1.0 - hyper.b2
   values[_EPS] = hyper.eps
-  values[_SIGN] = -1.0 if hyper.maximize else 1.0
   values[_LR] = hyper.lr
   values[_LOG_B1] = adam.log_beta(hyper.b1)
   values[_LOG_B2] = adam.log_beta(hyper.b2)
-  return np.array([np.asarray(v).astype(compute_dtype) for v in values], dtype=compute_dtype)
+  # float64 holds every value exactly (a float32 tensor lr too): one rounding each.
+  return np.array([float(v) for v in values], np.float64).astype(compute_dtype)
 
 
 def compute_dtype(param: Any, grad: sparse.BCOO) -> Any:
   """The dtype `leaf.sparse_adam_leaf_step` computes in, for moments in the param's dtype."""
-  return np.dtype(jnp.result_type(jnp.float32, grad.dtype, param.dtype))
+  return _compute_dtype(np.dtype(grad.dtype), np.dtype(param.dtype))
 
 
-def _signed(grad: sparse.BCOO, sign: jax.Array) -> sparse.BCOO:
-  # Negating before coalescing equals torch's `-grad` exactly: rounding is symmetric.
-  return sparse.BCOO(
-    (grad.data * sign.astype(grad.dtype), grad.indices),
-    shape=grad.shape,
-    indices_sorted=grad.indices_sorted,
-    unique_indices=grad.unique_indices,
-  )
+@functools.cache
+def _compute_dtype(grad_dtype: np.dtype, param_dtype: np.dtype) -> np.dtype:
+  # Cached: jnp.result_type costs more than the rest of a small step's host work.
+  return np.dtype(jnp.result_type(jnp.float32, grad_dtype, param_dtype))
 
 
-@functools.partial(jax.jit, donate_argnums=(0, 1, 2))
+@functools.partial(jax.jit, donate_argnums=(0, 1, 2), static_argnames=("maximize",))
 def fused_step(
   params: Sequence[jax.Array],
   exp_avgs: Sequence[jax.Array],
@@ -142,15 +145,20 @@ def fused_step(
   grads: Sequence[sparse.BCOO],
   scalars: Sequence[jax.Array],
   opaque_zero: jax.Array,
+  *,
+  maximize: tuple[bool, ...],
 ) -> tuple[list[jax.Array], list[jax.Array], list[jax.Array]]:
   """One SparseAdam step of every listed parameter; params and moments are donated.
 
-  `opaque_zero` is an int32 zero given at run time, so that the core rounds
-  every product as torch does (no FMA contraction): bit-exact float32.
+  `scalars[i]` is parameter i's vector from `host_scalars`; `maximize[i]` its
+  group's flag. `opaque_zero` is an int32 zero given at run time, so that the
+  core rounds every product as torch does (no FMA contraction): bit-exact float32.
+  Negating after coalescing equals torch's `-grad` before it exactly: rounding
+  is symmetric.
   """
   new_params, new_exp_avgs, new_exp_avg_sqs = [], [], []
-  for param, exp_avg, exp_avg_sq, grad, s in zip(
-    params, exp_avgs, exp_avg_sqs, grads, scalars, strict=True
+  for param, exp_avg, exp_avg_sq, grad, s, sign_flip in zip(
+    params, exp_avgs, exp_avg_sqs, grads, scalars, maximize, strict=True
   ):
     coeffs = adam.AdamCoefficients(
       learning_rate=s[_LR],
@@ -163,10 +171,11 @@ def fused_step(
       weight_decay=0.0,
     )
     update, state = leaf.sparse_adam_leaf_step(
-      _signed(grad, s[_SIGN]),
+      grad,
       adam.LeafState(jnp.zeros([], jnp.int32), exp_avg, exp_avg_sq),
       None,
       coeffs,
+      maximize=sign_flip,
       step_size=s[_STEP_SIZE],
       opaque_zero=opaque_zero,
     )

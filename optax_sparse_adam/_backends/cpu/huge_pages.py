@@ -8,6 +8,8 @@ a step. Linux only; the advice is kept by a buffer for its lifetime, and a
 donated step keeps updating the same buffers in place.
 """
 
+from __future__ import annotations
+
 import ctypes
 import sys
 from typing import Any, NamedTuple

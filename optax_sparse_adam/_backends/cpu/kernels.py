@@ -15,6 +15,8 @@ Set `OPTAX_SPARSE_ADAM_CPU_KERNELS=0` (before the first step is traced), or use
 `use_cpu_kernels(False)`, to use the XLA path on the CPU too.
 """
 
+from __future__ import annotations
+
 import contextlib
 import ctypes
 import functools
