@@ -19,6 +19,7 @@ from optax_sparse_adam._core import bcoo, composition
 from optax_sparse_adam._core.errors import (
   describe,
   flatten_grads,
+  leaves_up_to,
   path_str,
 )
 
@@ -76,6 +77,12 @@ def sparse_multi_steps(
   at most `max_nse` entries (fewer are padded, more are refused at trace time)
   and must index rows (`n_sparse == 1`, as from an embedding lookup). Dense
   gradients (leaves whose `max_nse` is None) are summed densely.
+
+  A None gradient (a table not looked up in that mini-step) adds nothing; the
+  rows of the cycle's other mini-steps are still stepped, and a table with no
+  gradient in the whole cycle takes no inner step (as torch leaves its `.grad`
+  None). This needs `params` in `update`, and at most 4 None BCOO gradients in
+  one mini-step (each doubles the branches of the compiled step).
 
   Args:
     inner: the transformation to step, e.g. `sparse_adam(...)` or an
@@ -171,8 +178,16 @@ def sparse_multi_steps(
   ) -> tuple[optax.Updates, SparseMultiStepsState]:
     leaves_with_path, treedef = flatten_grads(updates)
     acc_leaves = treedef.flatten_up_to(state.acc_grads)
-    new_acc, cycle_grads = [], []
-    for (path, grad), acc in zip(leaves_with_path, acc_leaves, strict=True):
+    param_leaves = leaves_up_to(treedef, params, "params")
+    new_acc, cycle_grads, missing = [], [], []
+    for (path, grad), acc, param in zip(leaves_with_path, acc_leaves, param_leaves, strict=True):
+      if isinstance(acc, RowBuffer) and grad is None:
+        # Nothing to add, but this mini-step's slot still holds the previous
+        # cycle's rows, and the cycle's earlier rows must still be stepped.
+        missing.append(len(new_acc))
+        new_acc.append(_mark_not_looked_up(acc, state.mini_step, every_k))
+        cycle_grads.append(_no_rows(acc, param, every_k, path, who))
+        continue
       if grad is None:
         new_acc.append(acc)
       elif isinstance(acc, RowBuffer):
@@ -184,28 +199,66 @@ def sparse_multi_steps(
         )
       else:
         new_acc.append(acc + jnp.asarray(grad).astype(acc.dtype))
+      cycle_grads.append(grad)
     scale = 1.0 / every_k if use_grad_mean else 1.0
-    for (_, grad), acc in zip(leaves_with_path, new_acc, strict=True):
+    for i, (grad, acc) in enumerate(zip(cycle_grads, new_acc, strict=True)):
       if grad is None:
-        cycle_grads.append(None)
-      elif isinstance(acc, RowBuffer):
-        cycle_grads.append(
-          sparse.BCOO(
-            (
-              (acc.values * jnp.asarray(scale, acc.values.dtype)).astype(grad.dtype),
-              acc.rows[:, None],
-            ),
-            shape=grad.shape,
-          )
+        continue
+      if isinstance(acc, RowBuffer):
+        cycle_grads[i] = sparse.BCOO(
+          (
+            (acc.values * jnp.asarray(scale, acc.values.dtype)).astype(grad.dtype),
+            acc.rows[:, None],
+          ),
+          shape=grad.shape,
         )
       else:
-        cycle_grads.append((acc * jnp.asarray(scale, acc.dtype)).astype(jnp.result_type(grad)))
+        cycle_grads[i] = (acc * jnp.asarray(scale, acc.dtype)).astype(jnp.result_type(grad))
     cycle_grads = treedef.unflatten(cycle_grads)
     emit = state.mini_step == every_k - 1
 
+    if len(missing) > _MAX_MISSING:
+      paths = [path_str(leaves_with_path[i][0]) for i in missing]
+      raise ValueError(
+        f"{who}: {len(missing)} BCOO gradients are None in this mini-step ({', '.join(paths)}); "
+        f"at most {_MAX_MISSING} can be (each doubles the compiled step, to step a table "
+        "only if it was looked up in the cycle). Look the others up in every mini-step, "
+        "with padding ids if they have nothing to look up (their step then counts, as "
+        "torch's does for a lookup of padding_idx only)."
+      )
+    # A table with a None gradient now was maybe looked up earlier in the cycle:
+    # the inner step sees it as None (its step count does not advance, as torch's
+    # .grad stays None) only if none of its slots was written by a gradient.
+    looked_up = [jnp.any(new_acc[i].rows != _NOT_LOOKED_UP) for i in missing]
+
     def do_update(operands):
       grads, inner_state, params, extra_args = operands
-      return inner.update(grads, inner_state, params, **extra_args)
+      if not missing:
+        return inner.update(grads, inner_state, params, **extra_args)
+      full = jax.eval_shape(lambda: inner.update(grads, inner_state, params, **extra_args))[0]
+      grad_leaves = treedef.flatten_up_to(grads)
+
+      def branch(which: int) -> Any:
+        def run(_):
+          leaves = list(grad_leaves)
+          for bit, i in enumerate(missing):
+            if not which >> bit & 1:
+              leaves[i] = None
+          new_updates, new_state = inner.update(
+            treedef.unflatten(leaves), inner_state, params, **extra_args
+          )
+          out = treedef.flatten_up_to(new_updates)
+          shapes = treedef.flatten_up_to(full)
+          out = [
+            composition.empty_updates_like(t) if u is None else u
+            for u, t in zip(out, shapes, strict=True)
+          ]
+          return treedef.unflatten(out), new_state
+
+        return run
+
+      index = sum(flag.astype(jnp.int32) << bit for bit, flag in enumerate(looked_up))
+      return lax.switch(index, [branch(w) for w in range(2 ** len(missing))], None)
 
     operands = (cycle_grads, state.inner_opt_state, params, extra_args)
     out_shapes, _ = jax.eval_shape(do_update, operands)
@@ -225,6 +278,43 @@ def sparse_multi_steps(
     )
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+# Rows of a buffer slot whose mini-step had no gradient; _buffer_rows never writes
+# a negative row, and every consumer reads one as padding.
+_NOT_LOOKED_UP = -1
+_MAX_MISSING = 4
+
+
+def _mark_not_looked_up(buffer: RowBuffer, mini_step: jax.Array, every_k: int) -> RowBuffer:
+  """The buffer with this mini-step's slot emptied and marked as not looked up."""
+  cap = buffer.rows.shape[0] // every_k
+  start = mini_step * cap
+  rows = jnp.full((cap,), _NOT_LOOKED_UP, jnp.int32)
+  values = jnp.zeros((cap,) + buffer.values.shape[1:], buffer.values.dtype)
+  return RowBuffer(
+    rows=lax.dynamic_update_slice_in_dim(buffer.rows, rows, start, axis=0),
+    values=lax.dynamic_update_slice_in_dim(buffer.values, values, start, axis=0),
+  )
+
+
+def _no_rows(buffer: RowBuffer, param: Any, every_k: int, path: Any, who: str) -> sparse.BCOO:
+  """An all-padding BCOO gradient for a mini-step whose gradient is None."""
+  if param is None:
+    raise ValueError(
+      f"{who}: the gradient at {path_str(path)} is None in this mini-step (a table "
+      "not looked up), and its shape is needed to step the rows of the cycle's other "
+      "mini-steps. Pass params to update (SparseOptimizer and SparseTrainState do)."
+    )
+  cap = buffer.rows.shape[0] // every_k
+  template = sparse.BCOO(
+    (
+      jnp.zeros((cap,) + buffer.values.shape[1:], buffer.values.dtype),
+      jnp.zeros((cap, 1), jnp.int32),
+    ),
+    shape=tuple(jnp.shape(param)),
+  )
+  return composition.empty_updates_like(template)
 
 
 def _buffer_rows(

@@ -1,8 +1,11 @@
 """`sparse_value_and_grad` / `sparse_grad`: BCOO gradients for tables, dense for the rest.
 
-The differentiated call is traced twice: once abstractly to record which tables
-are looked up with which ids shapes (`_tables._Tape`), then with a zero
-perturbation per lookup, whose cotangents are the rows' gradients.
+The differentiated call is traced twice: once abstractly under
+`jax.value_and_grad` to record which tables are looked up with which ids shapes,
+which lookups reach the loss differentiably, and which tables are also read
+densely (`_tables._Tape`); then with a zero perturbation per live lookup, whose
+cotangents are the rows' gradients, and the densely read tables differentiated
+as ordinary arrays.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.experimental import sparse
 
-from optax_sparse_adam._core.errors import describe
+from optax_sparse_adam._core.errors import describe, path_str
 from optax_sparse_adam.flax._tables import (
   SparseTable,
   _is_table_box,
@@ -25,22 +28,50 @@ from optax_sparse_adam.flax._tables import (
 )
 
 
-def _table_gradient(table: jax.Array, ids: list[jax.Array], cotangents: list[jax.Array]) -> Any:
-  """The BCOO gradient of a table from its lookups, or None if it was not looked up."""
-  if not ids:
-    return None
+def _table_gradient(
+  table: jax.Array,
+  ids: list[jax.Array],
+  cotangents: list[jax.Array | None],
+  dense: jax.Array | None,
+) -> Any:
+  """The gradient of a table as a BCOO, from its live lookups and its dense use.
+
+  Lookups whose cotangent is None (not live) add no entries. Padding ids become
+  the out-of-range row `V` with zero values, which every consumer drops. With a
+  dense use the BCOO holds every row once (sorted, unique): the dense cotangent
+  plus the lookups' rows, so the step touches the whole table. None when the
+  table has neither.
+  """
   num_rows, features = table.shape
-  flat_ids = jnp.concatenate([jnp.ravel(i).astype(jnp.int32) for i in ids])
-  # Padding ids become one out-of-range row, which every consumer drops.
-  flat_ids = jnp.where((flat_ids >= 0) & (flat_ids < num_rows), flat_ids, num_rows)
-  data = jnp.concatenate([c.reshape(-1, features) for c in cotangents]).astype(table.dtype)
-  return sparse.BCOO((data, flat_ids[:, None]), shape=table.shape)
+  live = [(i, c) for i, c in zip(ids, cotangents, strict=True) if c is not None]
+  if not live and dense is None:
+    return None
+  if live:
+    flat_ids = jnp.concatenate([jnp.ravel(i).astype(jnp.int32) for i, _ in live])
+    valid = (flat_ids >= 0) & (flat_ids < num_rows)
+    flat_ids = jnp.where(valid, flat_ids, num_rows)
+    data = jnp.concatenate([c.reshape(-1, features) for _, c in live]).astype(table.dtype)
+    # Padding reads constant zero rows: whatever reached them is not a gradient.
+    data = jnp.where(valid[:, None], data, jnp.zeros((), data.dtype))
+  if dense is None:
+    return sparse.BCOO((data, flat_ids[:, None]), shape=table.shape)
+  full = jnp.asarray(dense).astype(table.dtype)
+  if live:
+    full = full.at[flat_ids].add(data, mode="drop")
+  rows = jnp.arange(num_rows, dtype=jnp.int32)[:, None]
+  return sparse.BCOO((full, rows), shape=table.shape, indices_sorted=True, unique_indices=True)
 
 
-def _zero_perturbations(tables: Sequence[Any], recorded_ids: Any) -> list[list[jax.Array]]:
+def _perturbations(
+  tables: Sequence[Any], recorded_ids: Any, live: Any
+) -> list[list[jax.Array | None]]:
+  """Zero perturbations of the live lookups' rows; None for the others."""
   return [
-    [jnp.zeros(tuple(i.shape) + (t.shape[1],), t.dtype) for i in ids]
-    for t, ids in zip(tables, recorded_ids, strict=True)
+    [
+      jnp.zeros(tuple(i.shape) + (t.shape[1],), t.dtype) if is_live else None
+      for i, is_live in zip(ids, table_live, strict=True)
+    ]
+    for t, ids, table_live in zip(tables, recorded_ids, live, strict=True)
   ]
 
 
@@ -63,18 +94,63 @@ def _check_loss(loss: Any) -> None:
     )
 
 
+def _differentiate(call: Callable[..., Any], dense_args: Any, other_args: Any, arrays: list) -> Any:
+  """Runs `call(dense_args, perturbations, dense_tables, arrays, live, *other_args)` twice.
+
+  First abstractly under `jax.value_and_grad` with a recording tape, to learn
+  the lookups' shapes, which lookups are live and which tables are used
+  densely; then for real, differentiating the dense arguments, the live
+  lookups' perturbations and the densely used tables.
+
+  Returns:
+    `((loss, aux, extra), (dense_grads, cotangents, dense_table_grads), ids)`.
+  """
+  recorder: list[_Tape] = []
+
+  def record(dense_args, arrays, *other_args):
+    return call(dense_args, None, arrays, arrays, recorder, *other_args)
+
+  jax.eval_shape(
+    lambda d, a, *o: jax.value_and_grad(record, argnums=(0, 1), has_aux=True)(d, a, *o),
+    dense_args,
+    arrays,
+    *other_args,
+  )
+  (tape,) = recorder
+  live, dense_use = tape.live, tape.dense_use
+  perturbations = _perturbations(arrays, tape.ids, live)
+  dense_tables = [a if used else None for a, used in zip(arrays, dense_use, strict=True)]
+  (loss, (aux, extra, ids)), grads = jax.value_and_grad(call, argnums=(0, 1, 2), has_aux=True)(
+    dense_args, perturbations, dense_tables, arrays, live, *other_args
+  )
+  return (loss, aux, extra), grads, ids
+
+
+def _merge_tables(dense_tables: list, arrays: list) -> list:
+  return [a if d is None else d for d, a in zip(dense_tables, arrays, strict=True)]
+
+
+def _new_tape(arrays: list, names: list, perturbations: Any, live_or_recorder: Any) -> _Tape:
+  if perturbations is None:
+    tape = _Tape(arrays, names)
+    live_or_recorder.append(tape)
+    return tape
+  return _Tape(arrays, names, perturbations, live_or_recorder)
+
+
 def _nnx_value_and_grad(fun, argnums, has_aux, wrt, args, kwargs):
   target = args[argnums]
   graphdef, tables, params, rest = nnx.split(target, nnx.All(SparseTable, wrt), wrt, ...)
-  table_vars, tables_def = jax.tree.flatten(tables, is_leaf=_is_variable)
+  table_leaves, tables_def = jax.tree_util.tree_flatten_with_path(tables, is_leaf=_is_variable)
+  names = [path_str(p) for p, _ in table_leaves]
+  table_vars = [v for _, v in table_leaves]
   arrays = [v.get_value() for v in table_vars]
 
   # Pure states in, so that the traced calls build their own Variables and may
   # mutate them (a Variable made outside a trace refuses writes inside it).
-  def call(params, perturbations, arrays, rest):
-    tables = jax.tree.unflatten(tables_def, arrays)
-    model = nnx.merge(graphdef, tables, params, rest)
-    tape = _Tape(arrays, perturbations)
+  def call(params, perturbations, dense_tables, arrays, live, rest):
+    tape = _new_tape(_merge_tables(dense_tables, arrays), names, perturbations, live)
+    model = nnx.merge(graphdef, jax.tree.unflatten(tables_def, tape.views), params, rest)
     call_args = args[:argnums] + (model,) + args[argnums + 1 :]
     with _recording(tape):
       loss, aux = _split_output(fun(*call_args, **kwargs), has_aux)
@@ -83,24 +159,20 @@ def _nnx_value_and_grad(fun, argnums, has_aux, wrt, args, kwargs):
     # Tables a lookup wrote (max_norm's in-place renorm) go back to the module too.
     table_state = nnx.state(model, nnx.All(SparseTable, wrt))
     new_tables = [v.get_value() for v in jax.tree.leaves(table_state, is_leaf=_is_variable)]
-    written = [n if n is not a else None for n, a in zip(new_tables, arrays, strict=True)]
-    return loss, (aux, tape.ids, (new_rest, written))
+    written = [n if n is not v else None for n, v in zip(new_tables, tape.views, strict=True)]
+    return loss, (aux, (new_rest, written), tape.ids)
 
-  pure_params, pure_rest = nnx.as_pure(params), nnx.as_pure(rest)
-  # Shape pass: which tables are looked up, how many times, with which ids shapes.
-  _, (_, recorded, _) = jax.eval_shape(call, pure_params, None, arrays, pure_rest)
-  perturbations = _zero_perturbations(arrays, recorded)
-  (loss, (aux, ids, (new_rest, written))), (param_grads, cotangents) = jax.value_and_grad(
-    call, argnums=(0, 1), has_aux=True
-  )(pure_params, perturbations, arrays, pure_rest)
+  (loss, aux, (new_rest, written)), (param_grads, cotangents, dense_grads), ids = _differentiate(
+    call, nnx.as_pure(params), (nnx.as_pure(rest),), arrays
+  )
   param_grads = jax.tree.map(
     lambda v, g: v.replace(value=g), params, param_grads, is_leaf=_is_variable
   )
   table_grads = jax.tree.unflatten(
     tables_def,
     [
-      v.replace(value=_table_gradient(a, i, c))
-      for v, a, i, c in zip(table_vars, arrays, ids, cotangents, strict=True)
+      v.replace(value=_table_gradient(a, i, c, d))
+      for v, a, i, c, d in zip(table_vars, arrays, ids, cotangents, dense_grads, strict=True)
     ],
   )
   nnx.update(target, new_rest)
@@ -119,9 +191,13 @@ def _nnx_value_and_grad(fun, argnums, has_aux, wrt, args, kwargs):
 
 
 def _tree_value_and_grad(fun, argnums, has_aux, args, kwargs):
-  leaves, treedef = jax.tree.flatten(args[argnums], is_leaf=_is_table_box)
+  leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path(
+    args[argnums], is_leaf=_is_table_box
+  )
+  leaves = [x for _, x in leaves_with_path]
   is_table = [_is_table_box(x) for x in leaves]
   boxes = [x for x, t in zip(leaves, is_table, strict=True) if t]
+  names = [path_str(p) for (p, x) in leaves_with_path if _is_table_box(x)]
   dense = [x for x, t in zip(leaves, is_table, strict=True) if not t]
   arrays = [b.value for b in boxes]
   if len({id(a) for a in arrays}) != len(arrays):
@@ -131,34 +207,32 @@ def _tree_value_and_grad(fun, argnums, has_aux, args, kwargs):
       "array (a shared table is one leaf looked up several times)."
     )
 
-  def call(dense, perturbations, arrays):
-    dense_iter, table_iter = iter(dense), iter(zip(boxes, arrays, strict=True))
+  def call(dense, perturbations, dense_tables, arrays, live):
+    tape = _new_tape(_merge_tables(dense_tables, arrays), names, perturbations, live)
+    dense_iter, table_iter = iter(dense), iter(zip(boxes, tape.views, strict=True))
     merged = []
     for t in is_table:
       if t:
-        box, array = next(table_iter)
-        merged.append(box.replace_boxed(array))
+        box, view = next(table_iter)
+        merged.append(box.replace_boxed(view))
       else:
         merged.append(next(dense_iter))
-    tape = _Tape(arrays, perturbations)
     call_args = args[:argnums] + (treedef.unflatten(merged),) + args[argnums + 1 :]
     with _recording(tape):
       loss, aux = _split_output(fun(*call_args, **kwargs), has_aux)
     _check_loss(loss)
-    return loss, (aux, tape.ids)
+    return loss, (aux, None, tape.ids)
 
-  _, (_, recorded) = jax.eval_shape(call, dense, None, arrays)
-  perturbations = _zero_perturbations(arrays, recorded)
-  (loss, (aux, ids)), (dense_grads, cotangents) = jax.value_and_grad(
-    call, argnums=(0, 1), has_aux=True
-  )(dense, perturbations, arrays)
+  (loss, aux, _), (dense_grads, cotangents, dense_table_grads), ids = _differentiate(
+    call, dense, (), arrays
+  )
   dense_iter = iter(dense_grads)
-  table_iter = iter(zip(boxes, arrays, ids, cotangents, strict=True))
+  table_iter = iter(zip(boxes, arrays, ids, cotangents, dense_table_grads, strict=True))
   grads = []
   for t in is_table:
     if t:
-      box, array, i, c = next(table_iter)
-      grads.append(box.replace_boxed(_table_gradient(array, i, c)))
+      box, array, i, c, d = next(table_iter)
+      grads.append(box.replace_boxed(_table_gradient(array, i, c, d)))
     else:
       grads.append(next(dense_iter))
   return (loss, aux), treedef.unflatten(grads)
@@ -181,13 +255,20 @@ def sparse_value_and_grad(
   rows read: no dense `V x D` array is built. Several lookups of one table
   (a table shared by two towers, or looked up twice) concatenate their entries,
   so duplicates add up when densified or coalesced (`sparse_adam` does).
-  Padding ids (outside `[0, V)`) appear as the out-of-range row `V`. A table
-  that was not looked up gets a None gradient (as torch leaves `.grad` None),
-  and `sparse_adam` does not advance its step. Every other parameter gets the
-  ordinary dense gradient.
+  Padding ids (outside `[0, V)`) appear as the out-of-range row `V` with zero
+  values. A lookup whose rows do not reach the loss (unused, or only through
+  `lax.stop_gradient`) adds no entries, as torch's `.detach()`. A table that
+  was not looked up gets a None gradient (as torch leaves `.grad` None), and
+  `sparse_adam` does not advance its step. A table also read otherwise than by
+  a lookup (a tied output projection `h @ table.T`) gets its full gradient as a
+  BCOO holding every row once, so that step is dense for it. A lookup inside a
+  transform nested in `fun` (`jax.vmap`, `lax.scan`, `lax.cond`, `nnx.remat`,
+  `nn.remat`, ...) raises a ValueError naming the table. Every other
+  parameter gets the ordinary dense gradient.
 
-  `fun` is traced twice: once abstractly (`jax.eval_shape`) to find the lookups'
-  shapes, then to differentiate. Use inside `nnx.jit` / `jax.jit`.
+  `fun` is traced twice: once abstractly (`jax.eval_shape` of its gradient) to
+  find the lookups' shapes and uses, then to differentiate. Use inside
+  `nnx.jit` / `jax.jit`.
 
   Args:
     fun: the loss function, returning a real scalar (or `(loss, aux)` with

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from flax import linen as nn
 
 from optax_sparse_adam.flax import _options
-from optax_sparse_adam.flax._tables import SparseTableBox, default_embed_init, embedding_lookup
+from optax_sparse_adam.flax._tables import SparseTableBox, _lookup, default_embed_init
 
 
 class LinenSparseEmbed(nn.Module):
@@ -54,7 +54,7 @@ class LinenSparseEmbed(nn.Module):
   def __call__(self, inputs: jax.Array) -> jax.Array:
     table, padding_idx = linen_table(self, self.num_embeddings, self.features, inputs)
     rows = _options.embedding_rows(
-      lambda ids: embedding_lookup(table, ids),
+      lambda ids: _lookup(table, ids, owner=self),
       table,
       jnp.asarray(inputs),
       padding_idx=padding_idx,

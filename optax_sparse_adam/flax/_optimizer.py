@@ -102,7 +102,11 @@ class SparseOptimizer(nnx.Optimizer):
     )
     new_params = apply.apply_updates(param_arrays, updates)
     nnx.update(model, new_params)
-    nnx.update(self.opt_state, nnx.state(new_opt_state, graph=self.graph))
+    # Each state Variable gets its new value whole: `nnx.update` would turn a
+    # NamedTuple held by one Variable (a sparse_multi_steps RowBuffer) into a State.
+    variables, treedef = jax.tree.flatten(self.opt_state, is_leaf=_is_variable)
+    for variable, value in zip(variables, treedef.flatten_up_to(new_opt_state), strict=True):
+      variable.set_value(value)
     self.step[...] += 1
     return updates
 
