@@ -8,10 +8,21 @@ in it shares code or structure with the row-sorting implementation under test.
 import math
 import re
 
+import jax
 import numpy as np
 import optax
+import pytest
 
 import optax_sparse_adam as osa
+
+BACKEND = jax.default_backend()
+
+
+def cpu_only(what: str) -> pytest.MarkDecorator:
+  """Skips a test of a fact that holds on the CPU only, naming the backend it would run on."""
+  return pytest.mark.skipif(
+    BACKEND != "cpu", reason=f"{what} holds on the CPU only; this backend is {BACKEND}"
+  )
 
 
 class NumpySparseAdam:

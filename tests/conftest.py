@@ -1,9 +1,11 @@
 """Strict test setup: warnings are errors (pyproject), JAX on CPU, reproducible hypothesis."""
 
 import os
+import sys
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
 
 settings.register_profile(
@@ -14,3 +16,22 @@ settings.register_profile(
   suppress_health_check=[HealthCheck.too_slow],
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+@pytest.fixture(autouse=True)
+def _torch_sparse_invariant_checks_on():
+  """Sparse invariant checks explicitly on wherever torch builds a sparse tensor.
+
+  torch (2.11 and later) warns "Sparse invariant checks are implicitly disabled"
+  for a sparse tensor built without an explicit choice, inside its own
+  functions too, and warnings are errors here. Opting in explicitly removes
+  that warning at its cause, whatever the torch version; tests that build an
+  invalid tensor on purpose still pass `check_invariants=False`.
+  """
+  torch = sys.modules.get("torch")  # only where a test module imported it
+  check = getattr(getattr(torch, "sparse", None), "check_sparse_tensor_invariants", None)
+  if check is None:
+    yield
+    return
+  with check(enable=True):
+    yield

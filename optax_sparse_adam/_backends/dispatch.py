@@ -1,18 +1,23 @@
-"""The one place that decides how a step runs: fused CPU kernels, or generic XLA ops.
+"""The one place that decides how a step runs: CPU kernels, the accelerator step, or XLA ops.
 
 Both `rows_step` (the masked Adam step of one parameter) and `scatter_add`
 (`apply_updates` of one parameter) come here. What can be decided at trace
-time (dtypes, options, the kernels' switch) is decided here in Python; what
-depends on the backend the step is lowered for is left to
-`lax.platform_dependent`, so one traced step lowers to the CPU kernels on the
-CPU and to XLA ops everywhere else. Every path returns the same results: on
-the CPU the kernels equal the XLA ops bit for bit (tests/backends).
+time (dtypes, options, the switches of `choice`) is decided here in Python;
+what depends on the backend the step is lowered for is left to
+`lax.platform_dependent`, so one traced step lowers to the CPU kernels (where
+they apply, else the generic XLA ops) on the CPU, to the accelerator step
+(`accelerator`: one sort, no loop) on CUDA, ROCm and TPU, and to the generic
+XLA ops (`xla`) on any other backend. Every path returns the same results: on
+the CPU all three agree bit for bit (tests/backends).
 """
+
+from collections.abc import Callable
+from typing import Any
 
 import jax
 from jax import lax
 
-from optax_sparse_adam._backends import xla
+from optax_sparse_adam._backends import accelerator, choice, xla
 from optax_sparse_adam._backends.cpu import kernels
 from optax_sparse_adam._core.adam import RowsStep, StepOptions, TableState
 from optax_sparse_adam._core.bcoo import RowLayout
@@ -31,13 +36,18 @@ def rows_step(
   def generic(rows, values, tables):
     return xla.rows_step(rows, values, tables, layout=layout, options=options)
 
-  if not kernels.step_applies(values, tables, layout=layout, options=options):
-    return generic(rows, values, tables)
+  def on_accelerator(rows, values, tables):
+    return accelerator.rows_step(rows, values, tables, layout=layout, options=options)
 
-  def on_cpu(rows, values, tables):
-    return kernels.rows_step(rows, values, tables, layout=layout, options=options)
+  on_cpu = generic
+  if kernels.step_applies(values, tables, layout=layout, options=options):
 
-  return lax.platform_dependent(rows, values, tables, cpu=on_cpu, default=generic)
+    def on_cpu(rows, values, tables):
+      return kernels.rows_step(rows, values, tables, layout=layout, options=options)
+
+  return _by_backend(
+    (rows, values, tables), cpu=on_cpu, accelerator=on_accelerator, generic=generic
+  )
 
 
 def scatter_add(
@@ -56,14 +66,41 @@ def scatter_add(
       param, rows, values, layout=layout, unique_rows=unique_rows, sorted_rows=sorted_rows
     )
 
-  if not kernels.scatter_add_applies(param, values, layout=layout):
-    return generic(param, rows, values)
+  on_cpu = generic
+  if kernels.scatter_add_applies(param, values, layout=layout):
 
-  def on_cpu(param, rows, values):
-    # The kernel takes the parameter in its own shape: a reshaped operand that
-    # it updates in place would be copied by XLA.
-    return kernels.scatter_add_rows(
-      param, rows, values, num_rows=layout.num_rows, unique_rows=unique_rows
-    )
+    def on_cpu(param, rows, values):
+      # The kernel takes the parameter in its own shape: a reshaped operand that
+      # it updates in place would be copied by XLA.
+      return kernels.scatter_add_rows(
+        param, rows, values, num_rows=layout.num_rows, unique_rows=unique_rows
+      )
 
-  return lax.platform_dependent(param, rows, values, cpu=on_cpu, default=generic)
+  # Accelerators add as the generic path does: one scatter-add, no sort. An
+  # update from sparse_adam repeats no row (its padding rows are dropped), but
+  # its flags mirror the gradient's, so they cannot promise that to XLA.
+  return _by_backend((param, rows, values), cpu=on_cpu, accelerator=generic, generic=generic)
+
+
+_ACCELERATOR_PLATFORMS = ("cuda", "rocm", "tpu")
+
+
+def _by_backend(
+  args: tuple,
+  *,
+  cpu: Callable[..., Any],
+  accelerator: Callable[..., Any],
+  generic: Callable[..., Any],
+) -> Any:
+  """`cpu(*args)` on the CPU, `accelerator(*args)` on CUDA/ROCm/TPU, `generic(*args)` elsewhere.
+
+  Chosen when the step is lowered (one branch per backend it is lowered for);
+  a forced path (`choice.PathChoice.forced`) runs on every backend instead.
+  """
+  forced = choice.forced()
+  if forced == choice.ACCELERATOR:
+    return accelerator(*args)
+  if forced == choice.GENERIC_XLA:
+    return generic(*args)
+  branches = dict.fromkeys(_ACCELERATOR_PLATFORMS, accelerator)
+  return lax.platform_dependent(*args, cpu=cpu, default=generic, **branches)

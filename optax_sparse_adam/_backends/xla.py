@@ -5,6 +5,9 @@ donated first moment as scratch to number the distinct rows), the moments'
 rows gathered, `adam_rows` applied, and the new rows scattered back in place.
 """
 
+from collections.abc import Callable
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -20,6 +23,7 @@ def rows_step(
   *,
   layout: bcoo.RowLayout,
   options: StepOptions,
+  coalesce: Callable[..., Any] = bcoo.coalesce_and_gather_rows,
 ) -> RowsStep:
   """One parameter's masked step in XLA ops.
 
@@ -29,6 +33,9 @@ def rows_step(
     tables: the moments (parameter-shaped), and the optional arrays.
     layout: the parameter viewed as rows.
     options: how the step computes.
+    coalesce: finds the distinct rows, their summed values and the tables'
+      old rows: `bcoo.coalesce_and_gather_rows`, or the accelerator's one-sort
+      version (`accelerator.coalesce_and_gather_rows`), with its signature.
 
   Returns:
     The `RowsStep`: distinct rows, their deltas, the new tables.
@@ -38,13 +45,11 @@ def rows_step(
   # The moments' old rows are gathered while the gradient is coalesced; one
   # moment table may come back holding scratch values in the touched rows,
   # which the scatters below overwrite.
-  coalesced, (mu_old, nu_old, nu_max_old), (mu_table, nu_table, nu_max_table) = (
-    bcoo.coalesce_and_gather_rows(
-      rows,
-      values,
-      layout.num_rows,
-      (as_rows(tables.mu), as_rows(tables.nu), as_rows(tables.nu_max)),
-    )
+  coalesced, (mu_old, nu_old, nu_max_old), (mu_table, nu_table, nu_max_table) = coalesce(
+    rows,
+    values,
+    layout.num_rows,
+    (as_rows(tables.mu), as_rows(tables.nu), as_rows(tables.nu_max)),
   )
   rows = coalesced.rows
   g = coalesced.values.astype(compute_dtype)

@@ -59,6 +59,35 @@ def call_with_auto_axes(fn: Callable[..., Any], args: tuple, out_specs: Any) -> 
   return jax.sharding.auto_axes(fn, axes=axes, out_sharding=out_specs)(*args)
 
 
+def on_one_cpu_device(arrays: Any) -> bool:
+  """Whether every array in `arrays` is known to be on one device, when lowered for the CPU.
+
+  True in a process with one CPU device. With several (e.g.
+  `--xla_force_host_platform_device_count`), a concrete array says so by its
+  sharding; a traced one only when its type names a mesh of one device: an
+  argument passed sharded over several devices has its mesh in its type, but
+  an empty mesh is not proof (`jax.jit(..., in_shardings=...)` leaves it out),
+  so such a value counts as possibly sharded.
+  """
+  try:
+    num_cpu_devices = len(jax.devices("cpu"))
+  except RuntimeError:  # no CPU backend in this process: nothing is lowered for it
+    return False
+  if num_cpu_devices == 1:
+    return True
+  for array in jax.tree_util.tree_leaves(arrays):
+    if isinstance(array, jax.core.Tracer):
+      typeof = getattr(jax, "typeof", None)
+      mesh = getattr(getattr(typeof(array), "sharding", None), "mesh", None) if typeof else None
+      if mesh is None or mesh.empty or mesh.size != 1:
+        return False
+    else:
+      sharding = getattr(array, "sharding", None)
+      if sharding is None or len(sharding.device_set) != 1:
+        return False
+  return True
+
+
 def replicated_like(*arrays: Any) -> NamedSharding | None:
   """A replicated `NamedSharding` on the mesh of the first of `arrays` on a mesh, or None.
 

@@ -17,7 +17,9 @@ from jax.experimental import sparse
 
 import optax_sparse_adam as osa
 from optax_sparse_adam._backends.cpu import kernels
-from tests._helpers import train_step
+from tests._helpers import cpu_only, train_step
+
+pytestmark = cpu_only("the fused CPU kernels run, and equal the XLA ops bit for bit,")
 
 # CI sets this: there the kernels must have been built, not silently skipped.
 REQUIRE_KERNELS = os.environ.get("OPTAX_SPARSE_ADAM_REQUIRE_CPU_KERNELS") == "1"
@@ -191,11 +193,21 @@ def test_kernels_appear_in_the_cpu_step_only_where_they_apply():
 
 
 @needs_kernels
-def test_more_than_one_device_keeps_the_xla_ops(monkeypatch):
-  """A custom call cannot be partitioned: with several devices the step keeps XLA ops."""
-  monkeypatch.setattr(jax, "device_count", lambda *a: 2)
+def test_possibly_sharded_tables_keep_the_xla_ops(monkeypatch):
+  """A custom call cannot be partitioned: with several CPU devices, a traced table whose
+  sharding the trace does not show keeps the XLA ops (XLA would gather it otherwise)."""
+  devices = jax.devices("cpu")
+  monkeypatch.setattr(jax, "devices", lambda *a, **k: devices * 2)
   text = _compiled_text(osa.sparse_adam(1e-3))
   assert ADAM_KERNEL not in text and ADD_KERNEL not in text
+
+
+@needs_kernels
+def test_more_devices_of_another_backend_keep_the_kernels(monkeypatch):
+  """The choice depends on the CPU's devices, not on the process's device count."""
+  monkeypatch.setattr(jax, "device_count", lambda *a: 8)
+  text = _compiled_text(osa.sparse_adam(1e-3))
+  assert ADAM_KERNEL in text and ADD_KERNEL in text
 
 
 @needs_kernels

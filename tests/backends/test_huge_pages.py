@@ -10,7 +10,9 @@ import pytest
 from jax.experimental import sparse
 
 import optax_sparse_adam as osa
-from tests._helpers import train_step
+from tests._helpers import cpu_only, train_step
+
+pytestmark = cpu_only("huge-page advice (host memory)")
 
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 needs_thp = pytest.mark.skipif(

@@ -31,6 +31,7 @@ from jax.sharding import AxisType, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import optax_sparse_adam as osa  # noqa: E402
+from optax_sparse_adam._backends import choice  # noqa: E402
 
 NUM_DEVICES = 8
 NUM_ROWS, DIM, BATCH, STEPS = 32768, 16, 64, 3
@@ -181,18 +182,24 @@ def main():
   }
   references = {name: train(opt, data) for name, opt in optimizers.items()}
   runs = [
-    (mode, layout, "plain", False)
+    (mode, layout, "plain", False, None)
     for mode in ("auto", "explicit")
     for layout in ("row", "col", "replicated")
   ]
-  runs += [("auto", "row", "amsgrad_per_row_wd", False)]
-  runs += [("explicit", "row", "amsgrad_per_row_wd", True)]
-  for mode, layout, opt_name, jit_init in runs:
+  runs += [("auto", "row", "amsgrad_per_row_wd", False, None)]
+  runs += [("explicit", "row", "amsgrad_per_row_wd", True, None)]
+  # The accelerator step (GPU/TPU), forced onto these CPU devices, on sharded tables.
+  runs += [("auto", "row", "plain", False, choice.ACCELERATOR)]
+  runs += [("explicit", "row", "amsgrad_per_row_wd", False, choice.ACCELERATOR)]
+  for mode, layout, opt_name, jit_init, forced in runs:
     axis_type = AxisType.Auto if mode == "auto" else AxisType.Explicit
     mesh = jax.make_mesh((NUM_DEVICES,), ("x",), axis_types=(axis_type,))
     # Explicit axes need the mesh set; Auto axes run without, as in most code
     # (a set mesh would hide a state scalar left off the mesh).
-    with jax.set_mesh(mesh) if mode == "explicit" else contextlib.nullcontext():
+    with (
+      jax.set_mesh(mesh) if mode == "explicit" else contextlib.nullcontext(),
+      choice.choose(forced=forced),
+    ):
       run = train(
         optimizers[opt_name], data, mesh=mesh, table_spec=TABLE_SPECS[layout], jit_init=jit_init
       )
@@ -203,7 +210,8 @@ def main():
     }
     del run["first_table"]
     run["reference_losses"] = reference["losses"]
-    results["runs"][f"{mode}/{layout}/{opt_name}" + ("/jit_init" if jit_init else "")] = run
+    name = f"{mode}/{layout}/{opt_name}" + ("/jit_init" if jit_init else "")
+    results["runs"][name + (f"/{forced}" if forced else "")] = run
   uncombined = local_updates_without_combining(optimizers["plain"], data)
   results["uncombined_vs_combined_max_abs_diff"] = float(
     np.max(np.abs(uncombined - references["plain"]["first_table"]))

@@ -17,7 +17,10 @@ from jax.experimental import sparse
 import optax_sparse_adam as osa
 from optax_sparse_adam._backends.cpu import kernels
 from optax_sparse_adam._core import bcoo
-from tests._helpers import NumpySparseAdam, train_step
+from tests._helpers import NumpySparseAdam, cpu_only, train_step
+
+# The generic XLA path's coalescing; each row's sum in input order, as XLA:CPU adds.
+pytestmark = cpu_only("bit-for-bit equality with NumPy's input-order float32 sums")
 
 
 def _numpy_coalesce(rows, values, num_rows):

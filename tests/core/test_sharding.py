@@ -49,6 +49,8 @@ RUNS = [
   "explicit/replicated/plain",
   "auto/row/amsgrad_per_row_wd",
   "explicit/row/amsgrad_per_row_wd/jit_init",
+  "auto/row/plain/accelerator",
+  "explicit/row/amsgrad_per_row_wd/accelerator",
 ]
 
 

@@ -4,13 +4,15 @@ XLA:CPU runs gathers and scatters element by element; these two XLA FFI kernels
 do a step's coalescing, moment updates and parameter scatter-add in one pass
 per table instead. They compute `adam.adam_rows` bit for bit, and they are
 used only where they apply: on the CPU, float32 gradient, moments and
-parameter, with no amsgrad, weight decay or per-row bias correction, and with a
-single device in the process (XLA cannot partition a custom call, so sharded
-tables keep the XLA path). Everything else, and every other backend, runs the
-XLA path. `lax.platform_dependent` picks per backend when the step is lowered.
+parameter, with no amsgrad, weight decay or per-row bias correction, and arrays
+known to be on one device (XLA cannot partition a custom call: it would gather
+a sharded table onto every device, so possibly sharded tables keep the XLA
+path). Everything else runs XLA ops; `lax.platform_dependent` picks per backend
+when the step is lowered (`_backends.dispatch`). Under `jax.vmap` the kernels
+run once per batch element.
 
-Set `OPTAX_SPARSE_ADAM_CPU_KERNELS=0` (before the first step is traced) to use
-the XLA path on the CPU too.
+Set `OPTAX_SPARSE_ADAM_CPU_KERNELS=0` (before the first step is traced), or use
+`use_cpu_kernels(False)`, to use the XLA path on the CPU too.
 """
 
 from __future__ import annotations
@@ -20,7 +22,6 @@ import ctypes
 import functools
 import importlib.machinery
 import math
-import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -28,15 +29,15 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from optax_sparse_adam._backends import choice
 from optax_sparse_adam._core import sharding
 from optax_sparse_adam._core.adam import RowsStep, StepOptions, TableState
 from optax_sparse_adam._core.bcoo import RowLayout
 
 _ADAM_ROWS = "optax_sparse_adam_adam_rows_f32"
 _SCATTER_ADD_ROWS = "optax_sparse_adam_scatter_add_rows_f32"
-_ENV_FLAG = "OPTAX_SPARSE_ADAM_CPU_KERNELS"
-
-_enabled_override: list[bool] = []
+# Under jax.vmap a kernel runs once per batch element (a loop around the call).
+_VMAP_METHOD = "sequential"
 
 
 def _library_path() -> Path | None:
@@ -81,21 +82,17 @@ def available() -> bool:
 
 
 def enabled() -> bool:
-  """Whether steps traced now may use the kernels on the CPU."""
-  if _enabled_override:
-    wanted = _enabled_override[-1]
-  else:
-    wanted = os.environ.get(_ENV_FLAG, "1") != "0"
-  # One device: a custom call cannot be partitioned, and a sharded table must
-  # not be gathered onto every device.
-  return wanted and jax.device_count() == 1 and available()
+  """Whether steps traced now may use the kernels on the CPU (built, and switched on)."""
+  return choice.cpu_kernels_wanted() and available()
 
 
 def _applies(arrays: Sequence[Any], *, nse: int, num_rows: int, row_size: int) -> bool:
   """Whether a kernel may run a step on `arrays` (all float32) at trace time.
 
   Also needs at least one entry and one row of at least one value, no mesh with
-  Explicit axes (the kernels see whole arrays), and `enabled()`.
+  Explicit axes and arrays known to be on one device (a custom call cannot be
+  partitioned: XLA would gather a sharded table onto every device), and
+  `enabled()`.
   """
   float32 = jnp.dtype(jnp.float32)
   return (
@@ -105,6 +102,7 @@ def _applies(arrays: Sequence[Any], *, nse: int, num_rows: int, row_size: int) -
     and row_size > 0
     and not sharding.explicit_axes()
     and enabled()
+    and sharding.on_one_cpu_device(arrays)
   )
 
 
@@ -142,8 +140,10 @@ def use_cpu_kernels(enable: bool) -> Iterator[None]:
 
   The kernels are on by default where they apply. Switch them off to run XLA
   ops on the CPU too, e.g. to `jax.export` a step (the kernels' custom calls
-  carry no serialization guarantee) or to compare the two paths. A function
-  jitted and traced before the block keeps the path it was traced with.
+  carry no serialization guarantee) or to compare the two paths. The setting is
+  part of the key of JAX's trace and compilation caches (a
+  `jax.make_user_context`): a function called or exported inside the block is
+  traced again with the setting, even one already traced outside it.
   `OPTAX_SPARSE_ADAM_CPU_KERNELS=0` in the environment switches them off
   everywhere.
 
@@ -162,11 +162,8 @@ def use_cpu_kernels(enable: bool) -> Iterator[None]:
     >>> osa.apply_updates(params, updates)[1].round(3)
     Array([-0.1, -0.1], dtype=float32)
   """
-  _enabled_override.append(enable)
-  try:
+  with choice.choose(cpu_kernels=bool(enable)):
     yield
-  finally:
-    _enabled_override.pop()
 
 
 def rows_step(
@@ -233,7 +230,9 @@ def adam_rows(
     jax.ShapeDtypeStruct(mu.shape, jnp.float32),
     jax.ShapeDtypeStruct(nu.shape, jnp.float32),
   )
-  call = jax.ffi.ffi_call(_ADAM_ROWS, out_types, input_output_aliases={2: 2, 3: 3})
+  call = jax.ffi.ffi_call(
+    _ADAM_ROWS, out_types, input_output_aliases={2: 2, 3: 3}, vmap_method=_VMAP_METHOD
+  )
   return call(rows, values, mu, nu, coefficients, num_rows=num_rows, maximize=maximize)
 
 
@@ -246,6 +245,9 @@ def scatter_add_rows(
   row per entry of `rows`. `unique_rows` promises that no in-range row repeats.
   """
   call = jax.ffi.ffi_call(
-    _SCATTER_ADD_ROWS, jax.ShapeDtypeStruct(table.shape, jnp.float32), input_output_aliases={0: 0}
+    _SCATTER_ADD_ROWS,
+    jax.ShapeDtypeStruct(table.shape, jnp.float32),
+    input_output_aliases={0: 0},
+    vmap_method=_VMAP_METHOD,
   )
   return call(table, rows, values, num_rows=num_rows, unique_rows=unique_rows)
