@@ -796,7 +796,8 @@ def member_loss(table, q):
   return jnp.sum((table[q] @ W) ** 2)
 
 
-def test_nnx_vmap_of_the_train_step_over_an_ensemble_is_correct():
+@pytest.mark.parametrize("cpu_kernels", [True, False], ids=["kernels", "xla"])
+def test_nnx_vmap_of_the_train_step_over_an_ensemble_is_correct(cpu_kernels):
   @nnx.vmap(in_axes=0, out_axes=0)
   def make(key):
     return osa.SparseEmbed(V, D, rngs=nnx.Rngs(key))
@@ -813,14 +814,15 @@ def test_nnx_vmap_of_the_train_step_over_an_ensemble_is_correct():
     _, grads = osa.sparse_value_and_grad(lambda m: jnp.sum((m(q) @ W) ** 2))(model)
     optimizer.update(model, grads)
 
-  with osa.use_cpu_kernels(False):
+  with osa.use_cpu_kernels(cpu_kernels):  # the default (True) batches the kernels under vmap
     for step_ids in ENSEMBLE_IDS:
       step(ensemble, optimizers, step_ids)
   expected = ensemble_reference(initial, member_loss)
   np.testing.assert_allclose(ensemble.embedding[...], expected, atol=1e-5, rtol=0)
 
 
-def test_linen_vmap_of_the_train_step_over_an_ensemble_is_correct():
+@pytest.mark.parametrize("cpu_kernels", [True, False], ids=["kernels", "xla"])
+def test_linen_vmap_of_the_train_step_over_an_ensemble_is_correct(cpu_kernels):
   model = osa.LinenSparseEmbed(V, D)
 
   def create(key):
@@ -835,7 +837,7 @@ def test_linen_vmap_of_the_train_step_over_an_ensemble_is_correct():
     return state.apply_gradients(grads=osa.sparse_grad(loss)(state.params))
 
   step = jax.jit(jax.vmap(step))
-  with osa.use_cpu_kernels(False):
+  with osa.use_cpu_kernels(cpu_kernels):  # the default (True) batches the kernels under vmap
     for step_ids in ENSEMBLE_IDS:
       states = step(states, step_ids)
   expected = ensemble_reference(initial, member_loss)
