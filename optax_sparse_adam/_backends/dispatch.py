@@ -32,21 +32,31 @@ def rows_step(
   options: StepOptions,
 ) -> RowsStep:
   """One parameter's masked step on the backend it is lowered for (see `xla.rows_step`)."""
+  # The options' arrays (a traced learning rate, the step size) travel as an
+  # argument: a path must not close over them, or differentiating through the
+  # step would leak them out of `_differentiated_as`'s rule.
+  leaves, treedef = jax.tree.flatten(options)
+  traced = [i for i, leaf in enumerate(leaves) if isinstance(leaf, jax.Array)]
 
-  def generic(rows, values, tables):
-    return xla.rows_step(rows, values, tables, layout=layout, options=options)
+  def with_options(path: Callable[..., RowsStep]) -> Callable[..., RowsStep]:
+    def call(rows, values, tables, arrays):
+      full = list(leaves)
+      for i, array in zip(traced, arrays, strict=True):
+        full[i] = array
+      options = jax.tree.unflatten(treedef, full)
+      return path(rows, values, tables, layout=layout, options=options)
 
-  def on_accelerator(rows, values, tables):
-    return accelerator.rows_step(rows, values, tables, layout=layout, options=options)
+    return call
 
+  generic = with_options(xla.rows_step)
   on_cpu = generic
   if kernels.step_applies(values, tables, layout=layout, options=options):
-
-    def on_cpu(rows, values, tables):
-      return kernels.rows_step(rows, values, tables, layout=layout, options=options)
-
+    on_cpu = with_options(kernels.rows_step)
   return _by_backend(
-    (rows, values, tables), cpu=on_cpu, accelerator=on_accelerator, generic=generic
+    (rows, values, tables, [leaves[i] for i in traced]),
+    cpu=on_cpu,
+    accelerator=with_options(accelerator.rows_step),
+    generic=generic,
   )
 
 
@@ -103,4 +113,26 @@ def _by_backend(
   if forced == choice.GENERIC_XLA:
     return generic(*args)
   branches = dict.fromkeys(_ACCELERATOR_PLATFORMS, accelerator)
-  return lax.platform_dependent(*args, cpu=cpu, default=generic, **branches)
+
+  def by_platform(*args):
+    return lax.platform_dependent(*args, cpu=cpu, default=generic, **branches)
+
+  if cpu is generic:
+    return by_platform(*args)
+  return _differentiated_as(by_platform, generic)(*args)
+
+
+def _differentiated_as(run: Callable[..., Any], generic: Callable[..., Any]) -> Callable[..., Any]:
+  """`run`, whose derivatives are those of `generic` (XLA ops), for `jax.jvp`, `grad`, `vmap`.
+
+  The CPU kernels are FFI calls, which JAX cannot differentiate; they compute
+  what `generic` computes bit for bit, so a step that is differentiated (through
+  the optimizer, e.g. to tune a learning rate) runs `generic` and its JVP.
+  """
+  wrapped = jax.custom_jvp(run)
+
+  @wrapped.defjvp
+  def jvp(primals, tangents):
+    return jax.jvp(generic, primals, tangents)
+
+  return wrapped

@@ -201,9 +201,23 @@ def rounded(x: jax.Array, opaque_zero: jax.Array | None) -> jax.Array:
   """
   if opaque_zero is None:
     return x
-  int_dtype = {4: jnp.int32, 8: jnp.int64}[x.dtype.itemsize]
+  return _xor_bits(x, opaque_zero)
+
+
+@jax.custom_jvp
+def _xor_bits(x: jax.Array, opaque_zero: jax.Array) -> jax.Array:
+  int_dtype = {2: jnp.int16, 4: jnp.int32, 8: jnp.int64}[x.dtype.itemsize]
   bits = lax.bitcast_convert_type(x, int_dtype)
   return lax.bitcast_convert_type(bits ^ opaque_zero.astype(int_dtype), x.dtype)
+
+
+@_xor_bits.defjvp
+def _xor_bits_jvp(primals, tangents):
+  # The identity on values, so on derivatives too: without this rule the bitcasts
+  # would make every derivative through a step silently zero.
+  x, opaque_zero = primals
+  x_dot, _ = tangents
+  return _xor_bits(x, opaque_zero), x_dot
 
 
 def adam_rows(
