@@ -12,6 +12,7 @@ import pytest
 from jax.experimental import sparse
 
 import optax_sparse_adam as osa
+from optax_sparse_adam._backends import choice
 
 ROWS, DIM = 8, 4
 B1, B2, EPS = 0.9, 0.999, 1e-3  # a large eps makes the update depend on the gradient's size
@@ -41,16 +42,23 @@ def _dense_loss(lr, params, data):
   return jnp.sum(params**2)
 
 
+PATHS = {
+  "kernels": dict(cpu_kernels=True),
+  "xla": dict(cpu_kernels=False),
+  "accelerator": dict(forced=choice.ACCELERATOR),  # the GPU/TPU step, forced onto the CPU
+}
+
+
 @pytest.mark.parametrize("use_jit", [False, True], ids=["eager", "jit"])
-@pytest.mark.parametrize("cpu_kernels", [True, False], ids=["kernels", "xla"])
-def test_grad_through_two_steps_equals_a_dense_reference(use_jit, cpu_kernels):
+@pytest.mark.parametrize("path", sorted(PATHS))
+def test_grad_through_two_steps_equals_a_dense_reference(use_jit, path):
   params = jnp.linspace(-1.0, 1.0, ROWS * DIM, dtype=jnp.float32).reshape(ROWS, DIM)
   data = [jnp.full((3, DIM), 0.5, jnp.float32), jnp.full((3, DIM), -2.0, jnp.float32)]
   lr = jnp.float32(0.05)
   grad_fn = jax.grad(_sparse_loss, argnums=(0, 1, 2))
   if use_jit:
     grad_fn = jax.jit(grad_fn)
-  with osa.use_cpu_kernels(cpu_kernels):
+  with choice.choose(**PATHS[path]):
     got = grad_fn(lr, params, data)
   want = jax.grad(_dense_loss, argnums=(0, 1, 2))(lr, params, data)
   assert float(jnp.abs(want[0])) > 1e-3  # a control: the lr matters to the loss
