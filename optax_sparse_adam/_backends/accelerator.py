@@ -65,24 +65,13 @@ def coalesce_rows(rows: jax.Array, values: jax.Array, num_rows: int) -> bcoo.Coa
   """
   nse = rows.shape[0]
   positions = lax.iota(jnp.int32, nse)
-  sorted_rows, order = lax.sort((rows.astype(jnp.int32), positions), num_keys=1, is_stable=True)
-  is_first = jnp.concatenate([jnp.ones((1,), bool), sorted_rows[1:] != sorted_rows[:-1]])
-  slot = jnp.cumsum(is_first, dtype=jnp.int32) - 1
-  in_range = sorted_rows < num_rows
+  sorted_ids, order = lax.sort((rows.astype(jnp.int32), positions), num_keys=1, is_stable=True)
+  numbered = bcoo.number_sorted_rows(sorted_ids, num_rows)
   # Out-of-range ids sort last, so their slot `nse` (dropped) keeps the slots sorted.
-  segment = jnp.where(in_range, slot, nse)
+  segment = jnp.where(sorted_ids < num_rows, numbered.rank, nse)
   sorted_values = values.at[order].get(mode="promise_in_bounds", unique_indices=True)
-  summed = (
-    jnp.zeros_like(values).at[segment].add(sorted_values, mode="drop", indices_are_sorted=True)
-  )
-  slots = lax.iota(jnp.int32, nse)
-  unique_rows = (
-    jnp.full((nse,), num_rows, jnp.int32)
-    .at[jnp.where(is_first & in_range, slot, nse)]
-    .set(sorted_rows, mode="drop", unique_indices=True)
-  )
-  unique_rows = jnp.where(unique_rows < num_rows, unique_rows, num_rows + slots)
-  return bcoo.CoalescedRows(unique_rows, summed)
+  summed = bcoo.segment_sum(sorted_values, segment, indices_are_sorted=True)
+  return bcoo.CoalescedRows(numbered.unique_rows, summed)
 
 
 def rows_step(

@@ -178,9 +178,13 @@ def sort_rows(rows: jax.Array, num_rows: int) -> SortedRows:
   Only the int32 ids are sorted, with no payload: XLA's CPU sort of a lone key
   array is several times faster than a sort that carries a permutation along.
   """
-  nse = rows.shape[0]
+  return number_sorted_rows(lax.sort(rows.astype(jnp.int32)), num_rows)
+
+
+def number_sorted_rows(sorted_rows: jax.Array, num_rows: int) -> SortedRows:
+  """Numbers the distinct values of int32 row ids already sorted ascending (see `SortedRows`)."""
+  nse = sorted_rows.shape[0]
   slots = jnp.arange(nse, dtype=jnp.int32)
-  sorted_rows = lax.sort(rows.astype(jnp.int32))
   is_first = jnp.concatenate([jnp.ones((1,), bool), sorted_rows[1:] != sorted_rows[:-1]])
   rank = jnp.cumsum(is_first, dtype=jnp.int32) - 1
   unique_rows = (
@@ -262,12 +266,19 @@ def _after(x: jax.Array, dependency: jax.Array) -> jax.Array:
   return x + zero.astype(x.dtype)
 
 
-def segment_sum(values: jax.Array, segment: jax.Array) -> jax.Array:
+def segment_sum(
+  values: jax.Array, segment: jax.Array, *, indices_are_sorted: bool = False
+) -> jax.Array:
   """Sums `values` into their slots, in input order; entries with slot `nse` are dropped.
 
-  Slots that receive no entry (the padding slots) hold zeros.
+  Slots that receive no entry (the padding slots) hold zeros. `indices_are_sorted`
+  promises that `segment` is ascending.
   """
-  return jnp.zeros_like(values).at[segment].add(values, mode="drop")
+  return (
+    jnp.zeros_like(values)
+    .at[segment]
+    .add(values, mode="drop", indices_are_sorted=indices_are_sorted)
+  )
 
 
 def coalesce_rows(rows: jax.Array, values: jax.Array, num_rows: int) -> CoalescedRows:
