@@ -21,6 +21,8 @@ import optax  # noqa: E402
 from jax.experimental import sparse  # noqa: E402
 
 import optax_sparse_adam as osa  # noqa: E402
+from benchmarks._timing import best_seconds, ratio  # noqa: E402, F401 (ratio: for the benchmarks)
+from optax_sparse_adam._backends.cpu import huge_pages as huge_page_advice  # noqa: E402
 from optax_sparse_adam._backends.cpu import kernels  # noqa: E402
 from optax_sparse_adam._core import bcoo  # noqa: E402
 
@@ -70,12 +72,7 @@ def grad_values(batch: int, dim: int, seed: int = 1) -> list[np.ndarray]:
 def best_step_time(run_steps: Callable[[int], None], steps: int, repeats: int) -> float:
   """Seconds per step: the fastest of `repeats` runs of `steps` steps."""
   run_steps(2)  # warm-up, compilation included
-  best = float("inf")
-  for _ in range(repeats):
-    start = time.perf_counter()
-    run_steps(steps)
-    best = min(best, (time.perf_counter() - start) / steps)
-  return best
+  return best_seconds(lambda: run_steps(steps), repeats, warm_up=False) / steps
 
 
 def _coalesce_by_permutation_sort(rows, values, num_rows):
@@ -315,7 +312,7 @@ def _time_torch(ids, values, num_rows, *, huge_pages, steps, repeats):
       run(1)
     state = opt.state[param]
     tensors = [param.data, state["exp_avg"], state["exp_avg_sq"]]
-    huge_pages.advise_memory([(t.data_ptr(), t.numel() * t.element_size()) for t in tensors])
+    huge_page_advice.advise_memory([(t.data_ptr(), t.numel() * t.element_size()) for t in tensors])
   with torch.no_grad():
     seconds = best_step_time(run, steps, repeats)
   return seconds
@@ -359,7 +356,3 @@ def machine() -> str:
 
 def ms(seconds: float | None) -> str:
   return "—" if seconds is None else f"{seconds * 1e3:.3f} ms"
-
-
-def ratio(a: float | None, b: float | None) -> str:
-  return "—" if a is None or b is None else f"{a / b:.2f}x"

@@ -32,9 +32,6 @@ import argparse
 import contextlib
 import math
 import os
-import time
-from collections.abc import Callable
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -43,6 +40,7 @@ import optax
 from jax.experimental import sparse
 
 import optax_sparse_adam as osa
+from benchmarks._timing import best_seconds, ratio
 from optax_sparse_adam._backends import choice
 
 try:
@@ -65,17 +63,6 @@ def ids_of(dist: str, num_rows: int, batch: int, rng: np.random.Generator) -> np
   ranks = ((u * (num_rows**a - 1.0) + 1.0) ** (1.0 / a)).astype(np.int64) - 1
   ranks = np.clip(ranks, 0, num_rows - 1)
   return ((ranks * 2_654_435_761) % num_rows).astype(np.int32)
-
-
-def best_seconds(call: Callable[[], Any], repeats: int) -> float:
-  """The fastest of `repeats` calls of `call` (which blocks until its work is done)."""
-  call()  # compilation and warm-up
-  best = math.inf
-  for _ in range(repeats):
-    start = time.perf_counter()
-    call()
-    best = min(best, time.perf_counter() - start)
-  return best
 
 
 def time_sparse_adam(num_rows, dim, ids, values, *, steps, repeats, forced=None) -> float:
@@ -221,10 +208,6 @@ def fits(num_rows: int, dim: int, arrays: int) -> bool:
 
 def ms(seconds: float | None) -> str:
   return "—" if seconds is None else f"{seconds * 1e3:9.3f}"
-
-
-def ratio(a: float | None, b: float | None) -> str:
-  return "—" if a is None or b is None else f"{a / b:.2f}x"
 
 
 def single_table_rows(args) -> None:
