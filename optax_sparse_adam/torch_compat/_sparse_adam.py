@@ -5,7 +5,7 @@ from typing import Any
 import numpy as np
 from jax.experimental import sparse
 
-from optax_sparse_adam._core import bcoo
+from optax_sparse_adam._core import bcoo, hyperparams
 from optax_sparse_adam.torch_compat import _convert, _step
 from optax_sparse_adam.torch_compat._hooks import with_step_hooks
 from optax_sparse_adam.torch_compat._optimizer import Optimizer, iter_params
@@ -171,20 +171,14 @@ class SparseAdam(Optimizer):
     maximize: bool = False,
   ) -> None:
     self._initialized = False
-    if _convert.is_array(lr) and _convert.to_numpy(lr).size != 1:
-      raise ValueError("Tensor lr must be 1-element")
-    # torch's checks as torch writes them (not `hyperparams.check_ranges`, which skips what
-    # is no Python number): a value that is no number (None, a string) fails with Python's
-    # TypeError there, and so here, in the same order.
-    if not 0.0 < (_step.lr_value(lr) if _convert.is_array(lr) else lr):
-      raise ValueError(f"Invalid learning rate: {lr}")
-    _step.lr_value(lr)
-    if not 0.0 < eps:
-      raise ValueError(f"Invalid epsilon value: {eps}")
-    if not 0.0 <= betas[0] < 1.0:
-      raise ValueError(f"Invalid beta parameter at index 0: {betas[0]}")
-    if not 0.0 <= betas[1] < 1.0:
-      raise ValueError(f"Invalid beta parameter at index 1: {betas[1]}")
+    # An array lr must be 1-element ("Tensor lr must be 1-element") and is compared by value.
+    is_array_lr = _convert.is_array(lr)
+    lr_number = _step.lr_value(lr) if is_array_lr else lr
+    # torch's checks, order and wording: every value compared as torch compares it, so one
+    # that is no number (None, a string) fails with Python's TypeError, as in torch.
+    hyperparams.check_ranges(lr_number, betas[0], betas[1], eps, every_value=True)
+    if not is_array_lr:
+      _step.lr_value(lr)  # what compares like a number but is none (a bool) is refused
     defaults = {"lr": lr, "betas": betas, "eps": eps, "maximize": maximize}
     super().__init__(params, defaults)
     _check_dense_real_params(self.param_groups)
