@@ -2,6 +2,8 @@
 
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.experimental import sparse
 
@@ -66,9 +68,6 @@ def _as_step(value: Any, where: str) -> int:
 
 def _as_moment(value: Any, param: Parameter, key: str, where: str) -> Any:
   """A loaded moment as a fresh jax.Array in the param's dtype, on its device."""
-  import jax
-  import jax.numpy as jnp
-
   if not (_convert.is_array(value) or isinstance(value, (list, tuple))):
     raise ValueError(
       f"loaded state dict has {key!r} of type {type(value).__name__} for {where}; expected an array"
@@ -254,8 +253,6 @@ class SparseAdam(Optimizer):
         todo.append((p, grad, hyper))
     if not todo:
       return loss
-
-    import jax.numpy as jnp
 
     params, exp_avgs, exp_avg_sqs, grads, scalars, steps = [], [], [], [], [], []
     for p, grad, hyper in todo:
