@@ -175,7 +175,7 @@ class SparseAdam(Optimizer):
     lr_number = _step.lr_value(lr) if is_array_lr else lr
     # torch's checks, order and wording: every value compared as torch compares it, so one
     # that is no number (None, a string) fails with Python's TypeError, as in torch.
-    hyperparams.check_ranges(lr_number, betas[0], betas[1], eps, every_value=True)
+    hyperparams.check_ranges(lr_number, betas, eps, every_value=True)
     if not is_array_lr:
       _step.lr_value(lr)  # what compares like a number but is none (a bool) is refused
     defaults = {"lr": lr, "betas": betas, "eps": eps, "maximize": maximize}
