@@ -19,21 +19,30 @@ def is_real_scalar(value: Any) -> bool:
   )
 
 
-def check_ranges(lr: Any, b1: Any, b2: Any, eps: Any, weight_decay: Any = 0.0) -> None:
+def check_ranges(
+  lr: Any, betas: Any, eps: Any, weight_decay: Any = 0.0, *, every_value: bool = False
+) -> None:
   """torch.optim's range checks and messages, in its order, for the values that are numbers.
 
   Values that are arrays (traced, or given by `optax.inject_hyperparams`) are
-  not checked: their values are not known here.
+  not checked: their values are not known here. With `every_value`, every value
+  is compared as torch compares it (concrete values only): one that is no number
+  fails with Python's TypeError, as in torch. `betas` is the pair `(b1, b2)`, read
+  only when its check comes (after lr and eps), as torch reads it.
   """
-  if is_python_number(lr) and not 0.0 < lr:
+
+  def checked(value: Any) -> bool:
+    return every_value or is_python_number(value)
+
+  if checked(lr) and not 0.0 < lr:
     raise ValueError(f"Invalid learning rate: {lr}")
-  if is_python_number(eps) and not 0.0 < eps:
+  if checked(eps) and not 0.0 < eps:
     raise ValueError(f"Invalid epsilon value: {eps}")
-  if is_python_number(b1) and not 0.0 <= b1 < 1.0:
-    raise ValueError(f"Invalid beta parameter at index 0: {b1}")
-  if is_python_number(b2) and not 0.0 <= b2 < 1.0:
-    raise ValueError(f"Invalid beta parameter at index 1: {b2}")
-  if is_python_number(weight_decay) and not 0.0 <= weight_decay:
+  for index in (0, 1):
+    beta = betas[index]
+    if checked(beta) and not 0.0 <= beta < 1.0:
+      raise ValueError(f"Invalid beta parameter at index {index}: {beta}")
+  if checked(weight_decay) and not 0.0 <= weight_decay:
     raise ValueError(f"Invalid weight_decay value: {weight_decay}")
 
 
@@ -58,7 +67,7 @@ def check_hyperparams(
         f"Invalid {name}: {value!r} ({describe(value)}); expected a float or a "
         "0-d real array" + (", or an optax.Schedule." if name == "learning_rate" else ".")
       )
-  check_ranges(learning_rate, b1, b2, eps, weight_decay)
+  check_ranges(learning_rate, (b1, b2), eps, weight_decay)
 
 
 def moment_dtype(dtype: Any, name: str) -> Any:

@@ -2,10 +2,12 @@
 
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.experimental import sparse
 
-from optax_sparse_adam._core import bcoo
+from optax_sparse_adam._core import bcoo, hyperparams
 from optax_sparse_adam.torch_compat import _convert, _step
 from optax_sparse_adam.torch_compat._hooks import with_step_hooks
 from optax_sparse_adam.torch_compat._optimizer import Optimizer, iter_params
@@ -66,9 +68,6 @@ def _as_step(value: Any, where: str) -> int:
 
 def _as_moment(value: Any, param: Parameter, key: str, where: str) -> Any:
   """A loaded moment as a fresh jax.Array in the param's dtype, on its device."""
-  import jax
-  import jax.numpy as jnp
-
   if not (_convert.is_array(value) or isinstance(value, (list, tuple))):
     raise ValueError(
       f"loaded state dict has {key!r} of type {type(value).__name__} for {where}; expected an array"
@@ -171,20 +170,14 @@ class SparseAdam(Optimizer):
     maximize: bool = False,
   ) -> None:
     self._initialized = False
-    if _convert.is_array(lr) and _convert.to_numpy(lr).size != 1:
-      raise ValueError("Tensor lr must be 1-element")
-    # torch's checks as torch writes them (not `hyperparams.check_ranges`, which skips what
-    # is no Python number): a value that is no number (None, a string) fails with Python's
-    # TypeError there, and so here, in the same order.
-    if not 0.0 < (_step.lr_value(lr) if _convert.is_array(lr) else lr):
-      raise ValueError(f"Invalid learning rate: {lr}")
-    _step.lr_value(lr)
-    if not 0.0 < eps:
-      raise ValueError(f"Invalid epsilon value: {eps}")
-    if not 0.0 <= betas[0] < 1.0:
-      raise ValueError(f"Invalid beta parameter at index 0: {betas[0]}")
-    if not 0.0 <= betas[1] < 1.0:
-      raise ValueError(f"Invalid beta parameter at index 1: {betas[1]}")
+    # An array lr must be 1-element ("Tensor lr must be 1-element") and is compared by value.
+    is_array_lr = _convert.is_array(lr)
+    lr_number = _step.lr_value(lr) if is_array_lr else lr
+    # torch's checks, order and wording: every value compared as torch compares it, so one
+    # that is no number (None, a string) fails with Python's TypeError, as in torch.
+    hyperparams.check_ranges(lr_number, betas, eps, every_value=True)
+    if not is_array_lr:
+      _step.lr_value(lr)  # what compares like a number but is none (a bool) is refused
     defaults = {"lr": lr, "betas": betas, "eps": eps, "maximize": maximize}
     super().__init__(params, defaults)
     _check_dense_real_params(self.param_groups)
@@ -260,8 +253,6 @@ class SparseAdam(Optimizer):
         todo.append((p, grad, hyper))
     if not todo:
       return loss
-
-    import jax.numpy as jnp
 
     params, exp_avgs, exp_avg_sqs, grads, scalars, steps = [], [], [], [], [], []
     for p, grad, hyper in todo:

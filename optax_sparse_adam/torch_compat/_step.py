@@ -23,8 +23,10 @@ from jax.experimental import sparse
 from optax_sparse_adam._core import adam, leaf
 from optax_sparse_adam.torch_compat import _convert
 
-# Positions in the per-parameter scalar vector.
-_STEP_SIZE, _ONE_MINUS_B1, _ONE_MINUS_B2, _EPS, _LR, _LOG_B1, _LOG_B2 = range(7)
+# Positions in the per-parameter scalar vector: what the step reads, nothing more. The
+# learning rate and log-betas are not in it: the core reads them only for weight decay
+# and for a step size it computes itself, and the adapter has neither.
+_STEP_SIZE, _ONE_MINUS_B1, _ONE_MINUS_B2, _EPS = range(4)
 
 
 class GroupHyperparams(NamedTuple):
@@ -114,14 +116,11 @@ def step_size(lr: float | np.ndarray, b1: float, b2: float, step: int) -> Any:
 def host_scalars(hyper: GroupHyperparams, step: int, compute_dtype: Any) -> np.ndarray:
   """The per-parameter scalar vector, each entry rounded once to `compute_dtype`."""
 
-  values = [0.0] * 7
+  values = [0.0] * 4
   values[_STEP_SIZE] = step_size(hyper.lr, hyper.b1, hyper.b2, step)
   values[_ONE_MINUS_B1] = 1.0 - hyper.b1
   values[_ONE_MINUS_B2] = 1.0 - hyper.b2
   values[_EPS] = hyper.eps
-  values[_LR] = hyper.lr
-  values[_LOG_B1] = adam.log_beta(hyper.b1)
-  values[_LOG_B2] = adam.log_beta(hyper.b2)
   # float64 holds every value exactly (a float32 tensor lr too): one rounding each.
   return np.array([float(v) for v in values], np.float64).astype(compute_dtype)
 
@@ -161,11 +160,12 @@ def fused_step(
     params, exp_avgs, exp_avg_sqs, grads, scalars, maximize, strict=True
   ):
     coeffs = adam.AdamCoefficients(
-      learning_rate=s[_LR],
+      # Unused: `step_size` is given and there is no weight decay. NaN, so any use would show.
+      learning_rate=math.nan,
       one_minus_b1=s[_ONE_MINUS_B1],
       one_minus_b2=s[_ONE_MINUS_B2],
-      log_b1=s[_LOG_B1],
-      log_b2=s[_LOG_B2],
+      log_b1=math.nan,
+      log_b2=math.nan,
       eps=s[_EPS],
       # A Python zero takes the core's static no-decay path.
       weight_decay=0.0,

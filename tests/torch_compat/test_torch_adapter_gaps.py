@@ -343,6 +343,12 @@ CONSTRUCTOR_ERRORS = [
     {},
   ),
   (
+    "bad lr before one beta (torch checks lr first)",
+    lambda: torch.optim.SparseAdam([_t()], lr=-1.0, betas=(0.9,)),
+    lambda: SparseAdam([_j()], lr=-1.0, betas=(0.9,)),
+    {},
+  ),
+  (
     "names missing",
     lambda: torch.optim.SparseAdam([("a", _t()), _t()]),
     lambda: SparseAdam([("a", _j()), _j()]),
