@@ -26,7 +26,8 @@ from jax import lax
 from optax_sparse_adam._core.errors import describe
 from optax_sparse_adam.flax import _options
 from optax_sparse_adam.flax._linen import linen_table
-from optax_sparse_adam.flax._tables import SparseTable, _lookup, default_embed_init
+from optax_sparse_adam.flax._nnx import init_table, renormalise
+from optax_sparse_adam.flax._tables import _lookup, default_embed_init
 
 MODES = ("sum", "mean", "max")
 
@@ -244,26 +245,27 @@ class SparseEmbedBag(nnx.Module):
     rngs: nnx.Rngs,
   ):
     _check_mode(mode, "SparseEmbedBag")
-    _options.check_max_norm(max_norm, norm_type, "SparseEmbedBag")
-    self.num_embeddings, self.features = num_embeddings, features
+    init_table(
+      self,
+      "SparseEmbedBag",
+      num_embeddings,
+      features,
+      padding_idx=padding_idx,
+      max_norm=max_norm,
+      norm_type=norm_type,
+      dtype=dtype,
+      param_dtype=param_dtype,
+      embedding_init=embedding_init,
+      rngs=rngs,
+    )
     self.mode = mode
-    self.padding_idx = _options.check_padding_idx(padding_idx, num_embeddings, "SparseEmbedBag")
-    self.max_norm, self.norm_type = max_norm, norm_type
     self.include_last_offset = include_last_offset
-    self.dtype = dtype
-    table = embedding_init(rngs.params(), (num_embeddings, features), param_dtype)
-    self.embedding = SparseTable(_options.zero_padding_row(table, self.padding_idx))
 
   def __call__(
     self, inputs: jax.Array, offsets: jax.Array | None = None, per_sample_weights: Any = None
   ) -> jax.Array:
     """The pooled rows `(B, D)` of `inputs` (1-D with `offsets`, or 2-D)."""
-    if self.max_norm is not None:
-      self.embedding.set_value(
-        _options.renormalised_table(
-          self.embedding.get_value(), inputs, self.max_norm, self.norm_type
-        )
-      )
+    renormalise(self, inputs)
     pooled = embedding_bag_lookup(
       self.embedding,
       inputs,
