@@ -26,7 +26,8 @@ from jax import lax
 from optax_sparse_adam._core.errors import describe
 from optax_sparse_adam.flax import _options
 from optax_sparse_adam.flax._linen import linen_table
-from optax_sparse_adam.flax._tables import SparseTable, default_embed_init, embedding_lookup
+from optax_sparse_adam.flax._nnx import init_table, renormalise
+from optax_sparse_adam.flax._tables import _lookup, default_embed_init
 
 MODES = ("sum", "mean", "max")
 
@@ -107,6 +108,35 @@ def embedding_bag_lookup(
   Returns:
     The pooled rows, `(B, D)` in the table's dtype.
   """
+  return _bag_lookup(
+    table,
+    ids,
+    offsets,
+    mode=mode,
+    per_sample_weights=per_sample_weights,
+    padding_idx=padding_idx,
+    include_last_offset=include_last_offset,
+    module=None,
+  )
+
+
+def _bag_lookup(
+  table: Any,
+  ids: Any,
+  offsets: Any,
+  *,
+  mode: str,
+  per_sample_weights: Any,
+  padding_idx: int | None,
+  include_last_offset: bool,
+  module: Any,
+) -> jax.Array:
+  """`embedding_bag_lookup`; `module` is the Linen module whose table `table` is, if any.
+
+  Passing it lets the lookup name the module, and refuse (as `LinenSparseEmbed`
+  does) a table seen through a nested transform or a copy of the params, instead
+  of silently giving it a dense gradient.
+  """
   owner = "embedding_bag_lookup"
   _check_mode(mode, owner)
   array = table.get_value() if isinstance(table, nnx.Variable) else table
@@ -136,7 +166,7 @@ def embedding_bag_lookup(
   if padding_idx is not None:
     valid &= flat_ids != padding_idx
   segments = jnp.where(valid, segments, num_bags)  # out of range: dropped by the segment ops
-  rows = embedding_lookup(table, jnp.where(valid, flat_ids, -1))
+  rows = _lookup(table, jnp.where(valid, flat_ids, -1), owner=module)
   if mode == "max":
     return _segment_argmax_rows(rows, valid, segments, num_bags)
   if per_sample_weights is not None:
@@ -215,26 +245,27 @@ class SparseEmbedBag(nnx.Module):
     rngs: nnx.Rngs,
   ):
     _check_mode(mode, "SparseEmbedBag")
-    _options.check_max_norm(max_norm, norm_type, "SparseEmbedBag")
-    self.num_embeddings, self.features = num_embeddings, features
+    init_table(
+      self,
+      "SparseEmbedBag",
+      num_embeddings,
+      features,
+      padding_idx=padding_idx,
+      max_norm=max_norm,
+      norm_type=norm_type,
+      dtype=dtype,
+      param_dtype=param_dtype,
+      embedding_init=embedding_init,
+      rngs=rngs,
+    )
     self.mode = mode
-    self.padding_idx = _options.check_padding_idx(padding_idx, num_embeddings, "SparseEmbedBag")
-    self.max_norm, self.norm_type = max_norm, norm_type
     self.include_last_offset = include_last_offset
-    self.dtype = dtype
-    table = embedding_init(rngs.params(), (num_embeddings, features), param_dtype)
-    self.embedding = SparseTable(_options.zero_padding_row(table, self.padding_idx))
 
   def __call__(
     self, inputs: jax.Array, offsets: jax.Array | None = None, per_sample_weights: Any = None
   ) -> jax.Array:
     """The pooled rows `(B, D)` of `inputs` (1-D with `offsets`, or 2-D)."""
-    if self.max_norm is not None:
-      self.embedding.set_value(
-        _options.renormalised_table(
-          self.embedding.get_value(), inputs, self.max_norm, self.norm_type
-        )
-      )
+    renormalise(self, inputs)
     pooled = embedding_bag_lookup(
       self.embedding,
       inputs,
@@ -284,7 +315,7 @@ class LinenSparseEmbedBag(nn.Module):
   ) -> jax.Array:
     _check_mode(self.mode, "LinenSparseEmbedBag")
     table, padding_idx = linen_table(self, self.num_embeddings, self.features, inputs)
-    pooled = embedding_bag_lookup(
+    pooled = _bag_lookup(
       table,
       inputs,
       offsets,
@@ -292,5 +323,6 @@ class LinenSparseEmbedBag(nn.Module):
       per_sample_weights=per_sample_weights,
       padding_idx=padding_idx,
       include_last_offset=self.include_last_offset,
+      module=self,
     )
     return pooled if self.dtype is None else pooled.astype(self.dtype)

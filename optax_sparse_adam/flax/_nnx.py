@@ -65,26 +65,23 @@ class SparseEmbed(nnx.Module):
     embedding_init: Callable[..., jax.Array] = default_embed_init,
     rngs: nnx.Rngs,
   ):
-    self.num_embeddings = num_embeddings
-    self.features = features
-    self.padding_idx = _options.check_padding_idx(padding_idx, num_embeddings, "SparseEmbed")
-    _options.check_max_norm(max_norm, norm_type, "SparseEmbed")
-    self.max_norm, self.norm_type = max_norm, norm_type
-    self.scale_grad_by_freq = scale_grad_by_freq
-    self.dtype = dtype
-    self.embedding = SparseTable(
-      _options.zero_padding_row(
-        embedding_init(rngs.params(), (num_embeddings, features), param_dtype), self.padding_idx
-      )
+    init_table(
+      self,
+      "SparseEmbed",
+      num_embeddings,
+      features,
+      padding_idx=padding_idx,
+      max_norm=max_norm,
+      norm_type=norm_type,
+      dtype=dtype,
+      param_dtype=param_dtype,
+      embedding_init=embedding_init,
+      rngs=rngs,
     )
+    self.scale_grad_by_freq = scale_grad_by_freq
 
   def __call__(self, inputs: jax.Array) -> jax.Array:
-    if self.max_norm is not None:
-      self.embedding.set_value(
-        _options.renormalised_table(
-          self.embedding.get_value(), inputs, self.max_norm, self.norm_type
-        )
-      )
+    renormalise(self, inputs)
     rows = _options.embedding_rows(
       lambda ids: embedding_lookup(self.embedding, ids),
       self.embedding.get_value(),
@@ -93,3 +90,42 @@ class SparseEmbed(nnx.Module):
       scale_grad_by_freq=self.scale_grad_by_freq,
     )
     return rows if self.dtype is None else rows.astype(self.dtype)
+
+
+def init_table(
+  module: nnx.Module,
+  owner: str,
+  num_embeddings: int,
+  features: int,
+  *,
+  padding_idx: int | None,
+  max_norm: float | None,
+  norm_type: float,
+  dtype: Any,
+  param_dtype: Any,
+  embedding_init: Callable[..., jax.Array],
+  rngs: nnx.Rngs,
+) -> None:
+  """Checks the options shared with torch's `nn.Embedding` and sets them and the table on `module`.
+
+  The NNX twin of `_linen.linen_table`: `SparseEmbed` and `SparseEmbedBag` hold
+  `num_embeddings`, `features`, `padding_idx` (normalised), `max_norm`,
+  `norm_type`, `dtype` and the `SparseTable` `embedding` (its padding row zeroed).
+  """
+  module.num_embeddings, module.features = num_embeddings, features
+  module.padding_idx = _options.check_padding_idx(padding_idx, num_embeddings, owner)
+  _options.check_max_norm(max_norm, norm_type, owner)
+  module.max_norm, module.norm_type = max_norm, norm_type
+  module.dtype = dtype
+  table = embedding_init(rngs.params(), (num_embeddings, features), param_dtype)
+  module.embedding = SparseTable(_options.zero_padding_row(table, module.padding_idx))
+
+
+def renormalise(module: nnx.Module, ids: jax.Array) -> None:
+  """With `max_norm`, renormalises the rows `ids` names in `module.embedding`, in place (torch)."""
+  if module.max_norm is not None:
+    module.embedding.set_value(
+      _options.renormalised_table(
+        module.embedding.get_value(), ids, module.max_norm, module.norm_type
+      )
+    )

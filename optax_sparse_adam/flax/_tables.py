@@ -294,18 +294,14 @@ def _lookup(table: Any, ids: Any, *, owner: Any) -> jax.Array:
     if rows is not None:
       return rows
     is_table = (is_variable and isinstance(table, SparseTable)) or owner is not None
-    if is_table and _trace_state() != tape.trace_state:
-      _raise_nested(
-        tape.name_of_unknown(array)
-        if owner is None
-        else f"the table of the LinenSparseEmbed at {'/'.join(owner.path) or '<root>'}"
-      )
     if is_table:
       what = (
         tape.name_of_unknown(array)
         if owner is None
-        else f"the table of the LinenSparseEmbed at {'/'.join(owner.path) or '<root>'}"
+        else f"the table of the {type(owner).__name__} at {'/'.join(owner.path) or '<root>'}"
       )
+      if _trace_state() != tape.trace_state:
+        _raise_nested(what)
       raise ValueError(
         f"embedding_lookup: {what} was looked up inside sparse_value_and_grad, but "
         "it is not one of the differentiated tables: either it is not part of the "

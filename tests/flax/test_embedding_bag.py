@@ -355,3 +355,34 @@ def test_left_out_ids_are_zero_padding_that_check_sparse_grads_accepts(mode):
   assert left_out.sum() == 5
   np.testing.assert_array_equal(np.asarray(grad.data)[left_out], 0.0)
   osa.check_sparse_grads({"t": grad}, {"t": model.embedding[...]})  # raises if not
+
+
+def test_linen_bag_seen_through_a_transform_or_a_copy_raises_as_linen_embed_does():
+  """The Linen bag names its module and refuses, as LinenSparseEmbed does, rather than go dense."""
+  ids = jnp.array([[1, 2], [3, 3]])
+
+  class Remat(nn.Module):
+    @nn.compact
+    def __call__(self, q):
+      return jnp.sum(nn.remat(osa.LinenSparseEmbedBag)(NUM_ROWS, DIM, mode="sum", name="a")(q))
+
+  class Plain(nn.Module):
+    @nn.compact
+    def __call__(self, q):
+      return jnp.sum(osa.LinenSparseEmbedBag(NUM_ROWS, DIM, mode="sum", name="a")(q))
+
+  remat, plain = Remat(), Plain()
+  params = remat.init(jax.random.PRNGKey(0), ids)["params"]
+  with pytest.raises(
+    ValueError, match=r"the table of the LinenSparseEmbedBag at a.*nested transform"
+  ):
+    osa.sparse_grad(lambda p: remat.apply({"params": p}, ids))(params)
+
+  def cast_loss(p):
+    low = jax.tree.map(lambda x: x.astype(jnp.bfloat16), p)
+    return plain.apply({"params": low}, ids).astype(jnp.float32)
+
+  with pytest.raises(
+    ValueError, match=r"the table of the LinenSparseEmbedBag at a.*cast to bfloat16"
+  ):
+    osa.sparse_grad(cast_loss)(params)
