@@ -24,7 +24,7 @@ import optax_sparse_adam as osa  # noqa: E402
 from benchmarks._timing import best_seconds, ratio  # noqa: E402, F401 (ratio: for the benchmarks)
 from optax_sparse_adam._backends.cpu import huge_pages as huge_page_advice  # noqa: E402
 from optax_sparse_adam._backends.cpu import kernels  # noqa: E402
-from optax_sparse_adam._core import bcoo  # noqa: E402
+from optax_sparse_adam._core import bcoo, coalesce  # noqa: E402
 
 try:
   import torch
@@ -98,19 +98,19 @@ def _coalesce_by_permutation_sort(rows, values, num_rows):
 @contextlib.contextmanager
 def permutation_sort_baseline() -> Iterator[None]:
   """Inside this block sparse_adam runs XLA ops and coalesces as the first core did."""
-  fast = bcoo.coalesce_and_gather_rows
+  fast = coalesce.coalesce_and_gather_rows
 
   def baseline(rows, values, num_rows, tables):
     coalesced = _coalesce_by_permutation_sort(rows, values, num_rows)
     gathered = [None if t is None else bcoo.gather_rows(t, coalesced.rows) for t in tables]
     return coalesced, gathered, list(tables)
 
-  bcoo.coalesce_and_gather_rows = baseline
+  coalesce.coalesce_and_gather_rows = baseline
   try:
     with kernels.use_cpu_kernels(False):  # the baseline is a path of XLA ops
       yield
   finally:
-    bcoo.coalesce_and_gather_rows = fast
+    coalesce.coalesce_and_gather_rows = fast
 
 
 def sparse_step(opt: optax.GradientTransformation) -> Callable:

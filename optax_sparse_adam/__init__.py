@@ -16,19 +16,19 @@ from optax_sparse_adam._backends.cpu.kernels import available as cpu_kernels_ava
 from optax_sparse_adam._backends.cpu.kernels import use_cpu_kernels as use_cpu_kernels
 from optax_sparse_adam._core.adam import AdamCoefficients as AdamCoefficients
 from optax_sparse_adam._core.adam import LeafState as LeafState
-from optax_sparse_adam._core.apply import apply_updates as apply_updates
-from optax_sparse_adam._core.bcoo import coalesce_rows as coalesce_rows
-from optax_sparse_adam._core.checks import check_sparse_grads as check_sparse_grads
-from optax_sparse_adam._core.checks import sparse_grad_checks as sparse_grad_checks
-from optax_sparse_adam._core.composition import lift_to_bcoo as lift_to_bcoo
-from optax_sparse_adam._core.composition import sparse_apply_if_finite as sparse_apply_if_finite
-from optax_sparse_adam._core.leaf import sparse_adam_leaf_step as sparse_adam_leaf_step
-from optax_sparse_adam._core.multi_steps import RowBuffer as RowBuffer
-from optax_sparse_adam._core.multi_steps import SparseMultiStepsState as SparseMultiStepsState
-from optax_sparse_adam._core.multi_steps import sparse_multi_steps as sparse_multi_steps
-from optax_sparse_adam._core.transform import SparseAdamState as SparseAdamState
-from optax_sparse_adam._core.transform import sparse_adam as sparse_adam
-from optax_sparse_adam._core.transform import sparse_adamw as sparse_adamw
+from optax_sparse_adam._core.coalesce import coalesce_rows as coalesce_rows
+from optax_sparse_adam._optax.apply import apply_updates as apply_updates
+from optax_sparse_adam._optax.checks import check_sparse_grads as check_sparse_grads
+from optax_sparse_adam._optax.checks import sparse_grad_checks as sparse_grad_checks
+from optax_sparse_adam._optax.composition import lift_to_bcoo as lift_to_bcoo
+from optax_sparse_adam._optax.composition import sparse_apply_if_finite as sparse_apply_if_finite
+from optax_sparse_adam._optax.leaf import sparse_adam_leaf_step as sparse_adam_leaf_step
+from optax_sparse_adam._optax.multi_steps import RowBuffer as RowBuffer
+from optax_sparse_adam._optax.multi_steps import SparseMultiStepsState as SparseMultiStepsState
+from optax_sparse_adam._optax.multi_steps import sparse_multi_steps as sparse_multi_steps
+from optax_sparse_adam._optax.transform import SparseAdamState as SparseAdamState
+from optax_sparse_adam._optax.transform import sparse_adam as sparse_adam
+from optax_sparse_adam._optax.transform import sparse_adamw as sparse_adamw
 from optax_sparse_adam._version import __version__ as __version__
 
 __all__ = (

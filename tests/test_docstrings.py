@@ -6,11 +6,11 @@ import importlib
 import pytest
 
 MODULES = [
-  "optax_sparse_adam._core.transform",
-  "optax_sparse_adam._core.apply",
-  "optax_sparse_adam._core.composition",
-  "optax_sparse_adam._core.multi_steps",
-  "optax_sparse_adam._core.checks",
+  "optax_sparse_adam._optax.transform",
+  "optax_sparse_adam._optax.apply",
+  "optax_sparse_adam._optax.composition",
+  "optax_sparse_adam._optax.multi_steps",
+  "optax_sparse_adam._optax.checks",
   "optax_sparse_adam._backends.cpu.kernels",
   "optax_sparse_adam._backends.cpu.huge_pages",
   "optax_sparse_adam.flax._nnx",

@@ -1,5 +1,6 @@
-"""How a step runs on each backend: one dispatcher (`dispatch`) over the ways to run it.
+"""How a step runs on each backend: one dispatcher (`dispatch`) over backends of one signature.
 
-`xla` runs on every backend and supports every option; `cpu` holds the fused
-CPU kernels. The core calls only `dispatch`.
+A backend is a `protocol.StepBackend`: `xla` runs on every backend and supports
+every rule and option; `accelerator` coalesces by one sort; `cpu` holds the
+fused CPU kernels of the rules that have one. The optax layer calls only `dispatch`.
 """

@@ -34,18 +34,11 @@ class PathChoice(NamedTuple):
   forced: str | None = None
 
 
-_make_user_context = getattr(jax, "make_user_context", None)
-if _make_user_context is not None:
-  _CHOICE = _make_user_context(PathChoice())
-else:  # pragma: no cover - JAX without user contexts: the switch is not in the cache key
-  _CHOICE = None
-  _fallback_stack: list[PathChoice] = [PathChoice()]
+_CHOICE = jax.make_user_context(PathChoice())
 
 
 def current() -> PathChoice:
   """The switches in force now."""
-  if _CHOICE is None:  # pragma: no cover
-    return _fallback_stack[-1]
   return _CHOICE.value
 
 
@@ -55,13 +48,6 @@ def choose(**changes: Any) -> Iterator[None]:
   choice = current()._replace(**changes)
   if choice.forced not in (None, *_PATHS):
     raise ValueError(f"forced path {choice.forced!r}; expected one of {_PATHS} or None")
-  if _CHOICE is None:  # pragma: no cover
-    _fallback_stack.append(choice)
-    try:
-      yield
-    finally:
-      _fallback_stack.pop()
-    return
   with _CHOICE(choice):
     yield
 

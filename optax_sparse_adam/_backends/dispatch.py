@@ -1,14 +1,14 @@
 """The one place that decides how a step runs: CPU kernels, the accelerator step, or XLA ops.
 
-Both `rows_step` (the masked Adam step of one parameter) and `scatter_add`
-(`apply_updates` of one parameter) come here. What can be decided at trace
-time (dtypes, options, the switches of `choice`) is decided here in Python;
-what depends on the backend the step is lowered for is left to
+Both `masked_step` (the masked step of one parameter, under any rule) and
+`scatter_add` (`apply_updates` of one parameter) come here. What can be decided
+at trace time (dtypes, the rule, the plan's switches, `choice`) is decided here
+in Python; what depends on the backend the step is lowered for is left to
 `lax.platform_dependent`, so one traced step lowers to the CPU kernels (where
-they apply, else the generic XLA ops) on the CPU, to the accelerator step
-(`accelerator`: one sort, no loop) on CUDA, ROCm and TPU, and to the generic
-XLA ops (`xla`) on any other backend. Every path returns the same results: on
-the CPU all three agree bit for bit (tests/backends).
+the rule has one that applies, else the generic XLA ops) on the CPU, to the
+accelerator step (`accelerator`: one sort, no loop) on CUDA, ROCm and TPU, and
+to the generic XLA ops (`xla`) on any other backend. Every path returns the
+same results: on the CPU all three agree bit for bit (tests/backends).
 """
 
 from collections.abc import Callable
@@ -19,43 +19,35 @@ from jax import lax
 
 from optax_sparse_adam._backends import accelerator, choice, xla
 from optax_sparse_adam._backends.cpu import kernels
-from optax_sparse_adam._core.adam import RowsStep, StepOptions, TableState
+from optax_sparse_adam._backends.protocol import StepBackend
 from optax_sparse_adam._core.bcoo import RowLayout
+from optax_sparse_adam._core.rules import RowsStep, StepInputs, StepPlan
 
 
-def rows_step(
-  rows: jax.Array,
-  values: jax.Array,
-  tables: TableState,
-  *,
-  layout: RowLayout,
-  options: StepOptions,
-) -> RowsStep:
-  """One parameter's masked step on the backend it is lowered for (see `xla.rows_step`)."""
-  # The options' arrays (a traced learning rate, the step size) travel as an
-  # argument: a path must not close over them, or differentiating through the
-  # step would leak them out of `_differentiated_as`'s rule.
-  leaves, treedef = jax.tree.flatten(options)
+def masked_step(inputs: StepInputs, plan: StepPlan) -> RowsStep:
+  """One parameter's masked step on the backend it is lowered for (see `xla.masked_step`)."""
+  # The hyper-parameters that are arrays (a traced learning rate, a step size)
+  # travel as an argument: a backend must not close over them, or
+  # differentiating through the step would leak them out of `_differentiated_as`'s
+  # rule. Python floats stay closed over: constants, exact until used.
+  leaves, treedef = jax.tree.flatten(inputs.hyper)
   traced = [i for i, leaf in enumerate(leaves) if isinstance(leaf, jax.Array)]
 
-  def with_options(path: Callable[..., RowsStep]) -> Callable[..., RowsStep]:
-    def call(rows, values, tables, arrays):
+  def bound(backend: StepBackend) -> Callable[..., RowsStep]:
+    def call(inputs: StepInputs, arrays: list[jax.Array]) -> RowsStep:
       full = list(leaves)
       for i, array in zip(traced, arrays, strict=True):
         full[i] = array
-      options = jax.tree.unflatten(treedef, full)
-      return path(rows, values, tables, layout=layout, options=options)
+      return backend(inputs._replace(hyper=jax.tree.unflatten(treedef, full)), plan)
 
     return call
 
-  generic = with_options(xla.rows_step)
-  on_cpu = generic
-  if kernels.step_applies(values, tables, layout=layout, options=options):
-    on_cpu = with_options(kernels.rows_step)
+  generic = bound(xla.masked_step)
+  on_cpu = bound(kernels.masked_step) if kernels.step_applies(inputs, plan) else generic
   return _by_backend(
-    (rows, values, tables, [leaves[i] for i in traced]),
+    (inputs._replace(hyper=None), [leaves[i] for i in traced]),
     cpu=on_cpu,
-    accelerator=with_options(accelerator.rows_step),
+    accelerator=bound(accelerator.masked_step),
     generic=generic,
   )
 
@@ -66,14 +58,14 @@ def scatter_add(
   values: jax.Array,
   *,
   layout: RowLayout,
-  unique_rows: bool,
-  sorted_rows: bool,
+  rows_unique: bool,
+  rows_sorted: bool,
 ) -> jax.Array:
   """`param[rows] += values` on the backend it is lowered for; padding rows dropped."""
 
   def generic(param, rows, values):
     return xla.scatter_add(
-      param, rows, values, layout=layout, unique_rows=unique_rows, sorted_rows=sorted_rows
+      param, rows, values, layout=layout, rows_unique=rows_unique, rows_sorted=rows_sorted
     )
 
   on_cpu = generic
@@ -83,7 +75,7 @@ def scatter_add(
       # The kernel takes the parameter in its own shape: a reshaped operand that
       # it updates in place would be copied by XLA.
       return kernels.scatter_add_rows(
-        param, rows, values, num_rows=layout.num_rows, unique_rows=unique_rows
+        param, rows, values, num_rows=layout.num_rows, rows_unique=rows_unique
       )
 
   # Accelerators add as the generic path does: one scatter-add, no sort. An

@@ -1,87 +1,82 @@
-"""The masked step and the apply in plain XLA ops: every backend, dtype and option.
+"""The masked step and the apply in plain XLA ops: every backend, rule, dtype and option.
 
-The rows are coalesced by `_core.bcoo.coalesce_and_gather_rows` (which may use a
-donated first moment as scratch to number the distinct rows), the moments'
-rows gathered, `adam_rows` applied, and the new rows scattered back in place.
+The rows are coalesced (`_core.coalesce`; by default the generic way, which may
+use a donated slot table as scratch to number the distinct rows), the rule's
+slots gathered, the rule applied (`rules.RowRule.update`), and the new rows
+scattered back in place.
 """
-
-from collections.abc import Callable
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 import optax
 
-from optax_sparse_adam._core import adam, bcoo
-from optax_sparse_adam._core.adam import RowsStep, StepOptions, TableState
+from optax_sparse_adam._core import bcoo, coalesce
+from optax_sparse_adam._core.rules import RowsStep, StepInputs, StepPlan, Tables
 
 
-def rows_step(
-  rows: jax.Array,
-  values: jax.Array,
-  tables: TableState,
-  *,
-  layout: bcoo.RowLayout,
-  options: StepOptions,
-  coalesce: Callable[..., Any] = bcoo.coalesce_and_gather_rows,
+def masked_step(
+  inputs: StepInputs, plan: StepPlan, *, coalescer: coalesce.Coalescer | None = None
 ) -> RowsStep:
-  """One parameter's masked step in XLA ops.
+  """One parameter's masked step in XLA ops (a `protocol.StepBackend`).
 
   Args:
-    rows: int32 `(nse,)` row ids (`bcoo.linear_rows`; padding is `num_rows`).
-    values: `(nse, *dense_shape)` gradient entries.
-    tables: the moments (parameter-shaped), and the optional arrays.
-    layout: the parameter viewed as rows.
-    options: how the step computes.
-    coalesce: finds the distinct rows, their summed values and the tables'
-      old rows: `bcoo.coalesce_and_gather_rows`, or the accelerator's one-sort
-      version (`accelerator.coalesce_and_gather_rows`), with its signature.
+    inputs: the step's arrays and hyper-parameters.
+    plan: the row layout, the rule and the static switches.
+    coalescer: how the rows are coalesced; None is
+      `coalesce.coalesce_and_gather_rows`, looked up when the step is traced.
 
   Returns:
     The `RowsStep`: distinct rows, their deltas, the new tables.
   """
-  compute_dtype = options.compute_dtype
-  as_rows = lambda table: None if table is None else bcoo.as_rows(table, layout)  # noqa: E731
-  # The moments' old rows are gathered while the gradient is coalesced; one
-  # moment table may come back holding scratch values in the touched rows,
-  # which the scatters below overwrite.
-  coalesced, (mu_old, nu_old, nu_max_old), (mu_table, nu_table, nu_max_table) = coalesce(
-    rows,
-    values,
+  layout, rule, config = plan
+  coalescer = coalescer or coalesce.coalesce_and_gather_rows
+  compute_dtype = config.compute_dtype
+  tables = inputs.tables
+  slots = rule.slots()
+
+  def as_rows(table: jax.Array, per_row: bool) -> jax.Array:
+    return table if per_row else bcoo.as_rows(table, layout)
+
+  # The slots' old rows are gathered while the gradient is coalesced; one slot
+  # table may come back holding scratch values in the touched rows, which the
+  # scatters below overwrite.
+  coalesced, old_rows, slot_tables = coalescer(
+    inputs.rows,
+    inputs.values,
     layout.num_rows,
-    (as_rows(tables.mu), as_rows(tables.nu), as_rows(tables.nu_max)),
+    [as_rows(tables.slots[slot.name], slot.per_row) for slot in slots],
   )
   rows = coalesced.rows
   g = coalesced.values.astype(compute_dtype)
-  if options.maximize:
+  if config.maximize:
     g = -g
   param_rows = None
-  if options.weight_decay != "none":
-    param_rows = bcoo.gather_rows(as_rows(tables.param), rows).astype(compute_dtype)
-    if options.weight_decay == "l2":
-      g = g + jnp.asarray(options.coeffs.weight_decay, compute_dtype) * param_rows
+  if config.weight_decay != "none":
+    assert tables.param is not None  # the optax layer checks it
+    param_rows = bcoo.gather_rows(bcoo.as_rows(tables.param, layout), rows).astype(compute_dtype)
+    if config.weight_decay == "l2":
+      g = g + jnp.asarray(inputs.hyper.weight_decay, compute_dtype) * param_rows
 
-  step_size = options.step_size
+  step = inputs.step
   row_step = tables.row_step
   if row_step is not None:
     new_row_steps = optax.safe_increment(bcoo.gather_rows(row_step, rows))
-    row_step_size = adam.bias_corrected_step_size(options.coeffs, jnp.maximum(new_row_steps, 1))
-    step_size = row_step_size.reshape(row_step_size.shape + (1,) * len(layout.dense_shape))
+    step = jnp.maximum(new_row_steps, 1)
+    step = step.reshape(step.shape + (1,) * len(layout.dense_shape))
     row_step = bcoo.scatter_rows(row_step, rows, new_row_steps)
 
-  delta, mu_rows, nu_rows, nu_max_rows = adam.adam_rows(
+  delta, new_rows = rule.update(
     g,
-    mu_old,
-    nu_old,
-    nu_max_old,
-    step_size,
-    options.coeffs,
+    {slot.name: old for slot, old in zip(slots, old_rows, strict=True)},
+    step,
+    inputs.hyper,
     compute_dtype=compute_dtype,
-    opaque_zero=options.opaque_zero,
+    opaque_zero=inputs.opaque_zero,
   )
-  if options.weight_decay == "decoupled":
-    lr_wd = jnp.asarray(options.coeffs.learning_rate, compute_dtype) * jnp.asarray(
-      options.coeffs.weight_decay, compute_dtype
+  if config.weight_decay == "decoupled":
+    assert param_rows is not None
+    lr_wd = jnp.asarray(inputs.hyper.learning_rate, compute_dtype) * jnp.asarray(
+      inputs.hyper.weight_decay, compute_dtype
     )
     delta = delta - lr_wd * param_rows
   valid = rows < layout.num_rows
@@ -89,18 +84,15 @@ def rows_step(
     valid.reshape(valid.shape + (1,) * len(layout.dense_shape)),
     delta,
     jnp.zeros((), delta.dtype),
-  ).astype(values.dtype)
+  ).astype(inputs.values.dtype)
 
-  def scattered(table, table_rows, new_rows):
-    return bcoo.scatter_rows(table_rows, rows, new_rows).reshape(table.shape)
-
-  new_tables = TableState(
-    mu=scattered(tables.mu, mu_table, mu_rows),
-    nu=scattered(tables.nu, nu_table, nu_rows),
-    nu_max=None if nu_max_rows is None else scattered(tables.nu_max, nu_max_table, nu_max_rows),
-    row_step=row_step,
-  )
-  return RowsStep(rows, delta, new_tables)
+  new_slots = {
+    slot.name: bcoo.scatter_rows(table, rows, new_rows[slot.name]).reshape(
+      tables.slots[slot.name].shape
+    )
+    for slot, table in zip(slots, slot_tables, strict=True)
+  }
+  return RowsStep(rows, delta, Tables(new_slots, row_step))
 
 
 def scatter_add(
@@ -109,8 +101,8 @@ def scatter_add(
   values: jax.Array,
   *,
   layout: bcoo.RowLayout,
-  unique_rows: bool,
-  sorted_rows: bool,
+  rows_unique: bool,
+  rows_sorted: bool,
 ) -> jax.Array:
   """`param[rows] += values` in XLA ops; out-of-range (padding) rows are dropped."""
   param_rows = bcoo.as_rows(param, layout)
@@ -119,8 +111,8 @@ def scatter_add(
     .add(
       values.astype(param_rows.dtype),
       mode="drop",
-      unique_indices=unique_rows,
-      indices_are_sorted=sorted_rows,
+      unique_indices=rows_unique,
+      indices_are_sorted=rows_sorted,
     )
     .reshape(param.shape)
   )

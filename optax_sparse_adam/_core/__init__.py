@@ -1,1 +1,4 @@
-"""The core: Adam arithmetic, BCOO row plumbing, optax glue (private; see optax_sparse_adam)."""
+"""The bottom layer: row rules, coalescing, BCOO rows, errors, sharding helpers (private).
+
+Nothing here imports `_backends`, `_optax` or a front end (docs/architecture.md).
+"""

@@ -1,39 +1,35 @@
-"""The arithmetic of a masked (sparse) Adam step: one implementation for every front end.
+"""The Adam row rule: torch.optim.SparseAdam's arithmetic on a block of coalesced rows.
 
-The optax transformation, the Flax helpers and the torch adapter all step a
-parameter with `sparse_adam_leaf_step` (`_core.leaf`), and every backend
-computes the rows of that step with `adam_rows`:
+`AdamRule` is the first `rules.RowRule`: slots `mu` and `nu` (and `nu_max`
+with amsgrad), each the parameter's shape, and on the touched rows r
 
-  g      = coalesce(grad)                        (duplicates summed first)
-  g      = -g if maximize;  g += wd * p[rows] if L2 weight decay
-  m[r]  += (1 - b1) * (g - m[r])                 (touched rows r only)
+  m[r]  += (1 - b1) * (g - m[r])
   v[r]  += (1 - b2) * (g^2 - v[r])
   vmax[r] = max(vmax[r], v[r])                   (amsgrad only)
   step_size = lr * sqrt(1 - b2^t) / (1 - b1^t)
   delta[r]  = -step_size * m[r] / (sqrt(v[r]) + eps)   (vmax[r] with amsgrad)
-  delta[r] -= lr * wd * p[r]                     (decoupled weight decay only)
 
-This is `torch.optim.SparseAdam`'s arithmetic, in its order of operations:
-`eps` is added to `sqrt(v)`, not to `sqrt(v / (1 - b2^t))` as in `optax.adam`.
-Nothing here knows which backend runs it; `StepOptions` and `TableState` are
-what the core hands a backend (`_backends.dispatch`).
+with `g` the coalesced gradient (maximize and weight decay are the pipeline's,
+`rules`). This is `torch.optim.SparseAdam`'s arithmetic, in its order of
+operations: `eps` is added to `sqrt(v)`, not to `sqrt(v / (1 - b2^t))` as in
+`optax.adam`. Nothing here knows which backend runs it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from typing import Any, Literal, NamedTuple
+from collections.abc import Mapping
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.sharding import PartitionSpec
 
-from optax_sparse_adam._core import sharding
 from optax_sparse_adam._core.errors import is_python_number
+from optax_sparse_adam._core.rules import Slot
 
 Scalar = float | jax.Array
-WeightDecay = Literal["none", "l2", "decoupled"]
 
 
 class AdamCoefficients(NamedTuple):
@@ -72,60 +68,6 @@ class LeafState(NamedTuple):
   row_step: jax.Array | None = None
 
 
-class StepOptions(NamedTuple):
-  """How one parameter's masked step computes: what the core hands a backend.
-
-  Attributes:
-    coeffs: the step constants (`adam_coefficients`).
-    step_size: the bias-corrected step size of this step, or None with
-      per-row bias correction (each row then has its own).
-    maximize: ascend instead of descend.
-    weight_decay: "none", "l2" (added to the gradient) or "decoupled" (AdamW,
-      on the touched rows).
-    compute_dtype: the dtype of the arithmetic (float32 or wider).
-    opaque_zero: an int32 zero known only at run time, or None: when given,
-      every product is rounded before it is added, as torch does (`adam_rows`).
-  """
-
-  coeffs: AdamCoefficients
-  step_size: jax.Array | None
-  maximize: bool
-  weight_decay: WeightDecay
-  compute_dtype: Any
-  opaque_zero: jax.Array | None
-
-
-class TableState(NamedTuple):
-  """The arrays of one parameter's step that are indexed by its rows.
-
-  The moments come in the parameter's shape (a backend views them as rows as it
-  needs: an in-place kernel must not see a reshaped copy); `row_step` is
-  `(num_rows,)`. `param` is read (weight decay), never written.
-  """
-
-  mu: jax.Array
-  nu: jax.Array
-  nu_max: jax.Array | None = None
-  row_step: jax.Array | None = None
-  param: jax.Array | None = None
-
-
-class RowsStep(NamedTuple):
-  """What a backend returns for one parameter's step.
-
-  Attributes:
-    unique_rows: int32 `(nse,)` distinct rows, ascending, then padding slots
-      (`bcoo.CoalescedRows`).
-    delta: the signed parameter update of each slot, in the gradient's dtype;
-      zero in padding slots.
-    tables: the new `TableState` (without `param`).
-  """
-
-  unique_rows: jax.Array
-  delta: jax.Array
-  tables: TableState
-
-
 def log_beta(b: Scalar) -> Scalar:
   """`log(b)` for the bias corrections; a Python float stays float64 and `log(0)` is `-inf`."""
   if is_python_number(b):
@@ -148,7 +90,9 @@ def adam_coefficients(
   )
 
 
-def bias_corrected_step_size(coeffs: AdamCoefficients, step: jax.Array) -> jax.Array:
+def bias_corrected_step_size(
+  coeffs: AdamCoefficients | AdamHyperparams, step: jax.Array
+) -> jax.Array:
   """`lr * sqrt(1 - b2^t) / (1 - b1^t)` in float32 (or wider), for a step array `t >= 1`."""
   t = jnp.asarray(step).astype(jnp.result_type(float))
   bias_correction1 = -jnp.expm1(t * coeffs.log_b1)
@@ -159,37 +103,6 @@ def bias_corrected_step_size(coeffs: AdamCoefficients, step: jax.Array) -> jax.A
 def torch_step_size(learning_rate: float, b1: float, b2: float, step: int) -> float:
   """The step size exactly as torch computes it on the host, in float64."""
   return learning_rate * math.sqrt(1 - b2**step) / (1 - b1**step)
-
-
-def init_leaf_state(
-  param: jax.Array,
-  *,
-  sparse_dims: int | None = None,
-  mu_dtype: Any = None,
-  nu_dtype: Any = None,
-  amsgrad: bool = False,
-  per_row_bias_correction: bool = False,
-) -> LeafState:
-  """Zero moments with the parameter's shape (and sharding), and step 0.
-
-  `sparse_dims` is the number of leading dims that index rows for per-row bias
-  correction (1 for an embedding table); it is needed only with that option.
-  """
-  mu = jnp.zeros_like(param, dtype=mu_dtype or param.dtype)
-  nu = jnp.zeros_like(param, dtype=nu_dtype or param.dtype)
-  nu_max = jnp.zeros_like(nu) if amsgrad else None
-  row_step = None
-  if per_row_bias_correction:
-    num_dims = 1 if sparse_dims is None else sparse_dims
-    num_rows = math.prod(param.shape[:num_dims])
-    # Split like the table's rows, so that a row-sharded table's row steps are too.
-    rows_sharding = sharding.leading_dims_sharding(param, num_dims)
-    if isinstance(rows_sharding, PartitionSpec):
-      row_step = jnp.zeros((num_rows,), jnp.int32, out_sharding=rows_sharding)
-    else:
-      row_step = jnp.zeros((num_rows,), jnp.int32, device=rows_sharding)
-  step = jnp.zeros([], jnp.int32, device=sharding.replicated_like(param))
-  return LeafState(step, mu, nu, nu_max, row_step)
 
 
 def rounded(x: jax.Array, opaque_zero: jax.Array | None) -> jax.Array:
@@ -220,42 +133,86 @@ def _xor_bits_jvp(primals, tangents):
   return _xor_bits(x, opaque_zero), x_dot
 
 
-def adam_rows(
-  grad_rows: jax.Array,
-  mu_rows: jax.Array,
-  nu_rows: jax.Array,
-  nu_max_rows: jax.Array | None,
-  step_size: jax.Array,
-  coeffs: AdamCoefficients,
-  *,
-  compute_dtype: Any,
-  opaque_zero: jax.Array | None = None,
-) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
-  """The Adam moment and parameter arithmetic on gathered rows, in torch's order.
+class AdamHyperparams(NamedTuple):
+  """The traced hyper-parameters of an Adam step, as floats (exact, float64) or arrays.
 
-  Returns `(delta, mu, nu, nu_max)`: the signed parameter update (before any
-  decoupled weight decay) and the new moments, each in its storage dtype.
-  `opaque_zero`, an int32 zero that is a run-time input of the compiled
-  function, pins the rounding of every product (bit-exact torch on backends
-  that would fuse multiply-adds into FMAs).
+  `AdamCoefficients` plus `step_size`: a bias-corrected step size computed by
+  the caller (e.g. on the host in float64, as torch does), or None to compute
+  it from the step count. A caller passes what it has: None where a value is
+  never read (`learning_rate` and the log-betas when `step_size` is given and
+  there is no weight decay; `weight_decay` without weight decay).
   """
 
-  def c(x):
-    return jnp.asarray(x, compute_dtype)
+  learning_rate: Scalar | None
+  one_minus_b1: Scalar
+  one_minus_b2: Scalar
+  log_b1: Scalar | None
+  log_b2: Scalar | None
+  eps: Scalar
+  weight_decay: Scalar | None = None
+  step_size: Scalar | None = None
 
-  def r(x):
-    return rounded(x, opaque_zero)
 
-  g = grad_rows.astype(compute_dtype)
-  m = mu_rows.astype(compute_dtype)
-  v = nu_rows.astype(compute_dtype)
-  mu_new = (m + r((g - m) * c(coeffs.one_minus_b1))).astype(mu_rows.dtype)
-  nu_new = (v + r((r(g * g) - v) * c(coeffs.one_minus_b2))).astype(nu_rows.dtype)
-  second = nu_new
-  nu_max_new = None
-  if nu_max_rows is not None:
-    nu_max_new = jnp.maximum(nu_max_rows, nu_new.astype(nu_max_rows.dtype))
-    second = nu_max_new
-  denom = jnp.sqrt(second.astype(compute_dtype)) + c(coeffs.eps)
-  delta = r(-c(step_size) * (mu_new.astype(compute_dtype) / denom))
-  return delta, mu_new, nu_new, nu_max_new
+def hyperparams_of(coeffs: AdamCoefficients, step_size: Scalar | None = None) -> AdamHyperparams:
+  """`AdamHyperparams` from `AdamCoefficients` (and an optional given step size)."""
+  return AdamHyperparams(*coeffs, step_size=step_size)
+
+
+@dataclasses.dataclass(frozen=True)
+class AdamRule:
+  """torch.optim.SparseAdam's row rule (with amsgrad's running max where asked).
+
+  Attributes:
+    amsgrad: keep `nu_max`, the running max of `nu`, and divide by its root.
+  """
+
+  amsgrad: bool = False
+  name: str = dataclasses.field(default="adam", init=False)
+
+  def slots(self) -> tuple[Slot, ...]:
+    amsgrad = (Slot("nu_max", dtype_of="nu"),) if self.amsgrad else ()
+    return (Slot("mu"), Slot("nu"), *amsgrad)
+
+  def step_size(self, hyper: AdamHyperparams, step: jax.Array) -> Any:
+    """The given step size, else `lr * sqrt(1 - b2^t) / (1 - b1^t)` for the step count(s)."""
+    if hyper.step_size is not None:
+      return hyper.step_size
+    return bias_corrected_step_size(hyper, step)
+
+  def update(
+    self,
+    grad: jax.Array,
+    slot_rows: Mapping[str, jax.Array],
+    step: jax.Array,
+    hyper: AdamHyperparams,
+    *,
+    compute_dtype: Any,
+    opaque_zero: jax.Array | None,
+  ) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """The moments and the parameter delta of the rows, in torch's order of operations.
+
+    `opaque_zero`, an int32 zero that is a run-time input of the compiled
+    function, pins the rounding of every product (bit-exact torch on backends
+    that would fuse multiply-adds into FMAs). See `rules.RowRule.update`.
+    """
+
+    def c(x):
+      return jnp.asarray(x, compute_dtype)
+
+    def r(x):
+      return rounded(x, opaque_zero)
+
+    mu_rows, nu_rows = slot_rows["mu"], slot_rows["nu"]
+    g = grad.astype(compute_dtype)
+    m = mu_rows.astype(compute_dtype)
+    v = nu_rows.astype(compute_dtype)
+    mu_new = (m + r((g - m) * c(hyper.one_minus_b1))).astype(mu_rows.dtype)
+    nu_new = (v + r((r(g * g) - v) * c(hyper.one_minus_b2))).astype(nu_rows.dtype)
+    new_rows = {"mu": mu_new, "nu": nu_new}
+    second = nu_new
+    if self.amsgrad:
+      nu_max_rows = slot_rows["nu_max"]
+      second = new_rows["nu_max"] = jnp.maximum(nu_max_rows, nu_new.astype(nu_max_rows.dtype))
+    denom = jnp.sqrt(second.astype(compute_dtype)) + c(hyper.eps)
+    delta = r(-c(self.step_size(hyper, step)) * (mu_new.astype(compute_dtype) / denom))
+    return delta, new_rows

@@ -11,7 +11,7 @@ from flax import nnx
 from flax.training import train_state
 from jax.experimental import sparse
 
-from optax_sparse_adam._core import apply
+from optax_sparse_adam._optax import apply
 from optax_sparse_adam.flax._tables import SparseTable, SparseTableBox, _is_table_box, _is_variable
 
 

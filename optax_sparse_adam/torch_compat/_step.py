@@ -20,13 +20,15 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import sparse
 
-from optax_sparse_adam._core import adam, leaf
+from optax_sparse_adam._core import adam, rules
+from optax_sparse_adam._optax import leaf
 from optax_sparse_adam.torch_compat import _convert
 
 # Positions in the per-parameter scalar vector: what the step reads, nothing more. The
-# learning rate and log-betas are not in it: the core reads them only for weight decay
-# and for a step size it computes itself, and the adapter has neither.
+# learning rate and log-betas are not in it: the Adam rule reads them only for weight
+# decay and for a step size it computes itself, and the adapter has neither.
 _STEP_SIZE, _ONE_MINUS_B1, _ONE_MINUS_B2, _EPS = range(4)
+_RULE = adam.AdamRule()
 
 
 class GroupHyperparams(NamedTuple):
@@ -159,27 +161,26 @@ def fused_step(
   for param, exp_avg, exp_avg_sq, grad, s, sign_flip in zip(
     params, exp_avgs, exp_avg_sqs, grads, scalars, maximize, strict=True
   ):
-    coeffs = adam.AdamCoefficients(
-      # Unused: `step_size` is given and there is no weight decay. NaN, so any use would show.
-      learning_rate=math.nan,
-      one_minus_b1=s[_ONE_MINUS_B1],
-      one_minus_b2=s[_ONE_MINUS_B2],
-      log_b1=math.nan,
-      log_b2=math.nan,
-      eps=s[_EPS],
-      # A Python zero takes the core's static no-decay path.
-      weight_decay=0.0,
-    )
-    update, state = leaf.sparse_adam_leaf_step(
+    step = leaf.masked_leaf_step(
       grad,
-      adam.LeafState(jnp.zeros([], jnp.int32), exp_avg, exp_avg_sq),
-      None,
-      coeffs,
-      maximize=sign_flip,
-      step_size=s[_STEP_SIZE],
+      rules.Tables({"mu": exp_avg, "nu": exp_avg_sq}),
+      None,  # the step count lives on the host; the step size comes computed
+      rule=_RULE,
+      config=rules.StepConfig(maximize=sign_flip),
+      hyper=adam.AdamHyperparams(
+        learning_rate=None,
+        one_minus_b1=s[_ONE_MINUS_B1],
+        one_minus_b2=s[_ONE_MINUS_B2],
+        log_b1=None,
+        log_b2=None,
+        eps=s[_EPS],
+        step_size=s[_STEP_SIZE],
+      ),
       opaque_zero=opaque_zero,
     )
+    update = step.update
+    state_mu, state_nu = step.tables.slots["mu"], step.tables.slots["nu"]
     new_params.append(leaf.scatter_add_bcoo(param, update))
-    new_exp_avgs.append(state.mu)
-    new_exp_avg_sqs.append(state.nu)
+    new_exp_avgs.append(state_mu)
+    new_exp_avg_sqs.append(state_nu)
   return new_params, new_exp_avgs, new_exp_avg_sqs

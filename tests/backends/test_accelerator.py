@@ -226,7 +226,7 @@ def _lowered(opt, platform, *, forced=None):
   return traced.lower(lowering_platforms=(platform,))
 
 
-CPU_KERNELS = ("optax_sparse_adam_adam_rows_f32", "optax_sparse_adam_scatter_add_rows_f32")
+CPU_KERNELS = ("optax_sparse_adam_fused_adam_f32", "optax_sparse_adam_scatter_add_rows_f32")
 
 
 @pytest.mark.parametrize("platform", ["cuda", "rocm", "tpu"])

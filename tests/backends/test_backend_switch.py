@@ -16,7 +16,7 @@ import optax_sparse_adam as osa
 from optax_sparse_adam._backends.cpu import kernels as _cpu_kernel
 from tests._helpers import train_step
 
-ADAM_KERNEL = "optax_sparse_adam_adam_rows_f32"
+ADAM_KERNEL = "optax_sparse_adam_fused_adam_f32"
 ADD_KERNEL = "optax_sparse_adam_scatter_add_rows_f32"
 
 needs_kernels = pytest.mark.skipif(

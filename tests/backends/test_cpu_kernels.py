@@ -167,7 +167,7 @@ def _compiled_text(opt, *, shape=(50, 8), dtype=jnp.float32, cpu_kernels=True):
   return lowered.compile().as_text()
 
 
-ADAM_KERNEL = "optax_sparse_adam_adam_rows_f32"
+ADAM_KERNEL = "optax_sparse_adam_fused_adam_f32"
 ADD_KERNEL = "optax_sparse_adam_scatter_add_rows_f32"
 
 

@@ -16,7 +16,7 @@ from jax.experimental import sparse
 
 import optax_sparse_adam as osa
 from optax_sparse_adam._backends.cpu import kernels
-from optax_sparse_adam._core import bcoo
+from optax_sparse_adam._core import coalesce
 from tests._helpers import NumpySparseAdam, cpu_only, train_step
 
 # The generic XLA path's coalescing; each row's sum in input order, as XLA:CPU adds.
@@ -71,10 +71,10 @@ def test_coalesce_paths_match_numpy_bit_for_bit(use_jit, case):
   want_rows, want_values = _numpy_coalesce(rows, np.asarray(values), num_rows)
 
   def by_marking(rows, values, mu, nu):
-    return bcoo.coalesce_and_gather_rows(rows, values, num_rows, (mu, nu, None))
+    return coalesce.coalesce_and_gather_rows(rows, values, num_rows, (mu, nu, None))
 
   def by_search(rows, values):
-    return bcoo.coalesce_rows(rows, values, num_rows)
+    return coalesce.coalesce_rows(rows, values, num_rows)
 
   if use_jit:
     by_marking, by_search = jax.jit(by_marking), jax.jit(by_search)
@@ -99,10 +99,10 @@ def test_coalesce_paths_match_numpy_bit_for_bit(use_jit, case):
 def test_can_mark_needs_exact_slot_numbers():
   f32 = jnp.zeros((5, 2), jnp.float32)
   bf16 = jnp.zeros((5, 2), jnp.bfloat16)
-  assert bcoo.can_mark(f32, 2**24) and not bcoo.can_mark(f32, 2**24 + 1)
-  assert bcoo.can_mark(bf16, 256) and not bcoo.can_mark(bf16, 257)
-  assert not bcoo.can_mark(jnp.zeros((5, 0)), 4)  # empty rows hold no mark
-  assert not bcoo.can_mark(jnp.zeros((5,), jnp.int32), 4)
+  assert coalesce.can_mark(f32, 2**24) and not coalesce.can_mark(f32, 2**24 + 1)
+  assert coalesce.can_mark(bf16, 256) and not coalesce.can_mark(bf16, 257)
+  assert not coalesce.can_mark(jnp.zeros((5, 0)), 4)  # empty rows hold no mark
+  assert not coalesce.can_mark(jnp.zeros((5,), jnp.int32), 4)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
@@ -110,8 +110,8 @@ def test_after_is_exact_whatever_the_dependency_holds(dtype):
   x = jnp.arange(5, dtype=jnp.int32)
   for special in (jnp.nan, -jnp.nan, jnp.inf, -jnp.inf, -0.0, -1.5):
     dependency = jnp.full((3, 2), special, dtype)
-    np.testing.assert_array_equal(bcoo._after(x, dependency), x)
-    np.testing.assert_array_equal(jax.jit(bcoo._after)(x, dependency), x)
+    np.testing.assert_array_equal(coalesce._after(x, dependency), x)
+    np.testing.assert_array_equal(jax.jit(coalesce._after)(x, dependency), x)
 
 
 def _run_sparse_adam(opt, param0, batches, use_jit, *, cpu_kernels=True):
@@ -195,7 +195,7 @@ def test_marking_and_search_paths_agree(monkeypatch, use_jit):
   ]
   opt = osa.sparse_adam(1e-2, amsgrad=True, weight_decay=0.1)
   marked = _run_sparse_adam(opt, param0, batches, use_jit)
-  monkeypatch.setattr(bcoo, "can_mark", lambda table_rows, nse: False)
+  monkeypatch.setattr(coalesce, "can_mark", lambda table_rows, nse: False)
   searched = _run_sparse_adam(opt, param0, batches, use_jit)
   for a, b in zip(jax.tree.leaves(marked), jax.tree.leaves(searched), strict=True):
     if use_jit:  # XLA may fuse the two programs differently: float32 rounding.

@@ -4,7 +4,7 @@
 // step needs seven of them over the touched rows. These kernels do the same
 // work in one pass per table: coalesce the gradient's row ids (a stable radix
 // sort), then for each distinct row read m and v once, update them in place and
-// write the parameter delta. The arithmetic is `adam_rows` in _math.py,
+// write the parameter delta. The arithmetic is `AdamRule.update` in _core/adam.py,
 // operation for operation: every product and sum is rounded on its own
 // (compiled with -ffp-contract=off, so no FMA), square root and division are
 // IEEE, and duplicate entries are summed in input order starting from +0.0, as
@@ -129,7 +129,7 @@ int64_t SortRows(const int32_t* rows, int64_t nse, int64_t num_rows,
   return n;
 }
 
-// The moment and parameter arithmetic of one row, in _math.adam_rows' order.
+// The moment and parameter arithmetic of one row, in AdamRule.update's order.
 OSA_MULTIVERSIONED void AdamRow(
     float* __restrict__ g, float* __restrict__ m, float* __restrict__ v, int64_t row_size,
     bool maximize, float one_minus_b1, float one_minus_b2, float eps, float neg_step_size) {
@@ -164,11 +164,11 @@ int64_t RowSize(const ffi::Buffer<ffi::F32>& table, int64_t num_rows) {
 // Outputs: the distinct rows in ascending order then num_rows + slot for
 // padding slots; the deltas of those rows (zero in padding); mu and nu, updated
 // in the touched rows (aliased to the inputs, so in place when donated).
-ffi::Error AdamRowsImpl(ffi::Buffer<ffi::S32> rows, ffi::Buffer<ffi::F32> values,
+ffi::Error FusedAdamImpl(ffi::Buffer<ffi::S32> rows, ffi::Buffer<ffi::F32> values,
                         ffi::Buffer<ffi::F32> mu, ffi::Buffer<ffi::F32> nu,
                         ffi::Buffer<ffi::F32> coeffs, int64_t num_rows, bool maximize,
                         ffi::ThreadPool pool,
-                        ffi::ResultBuffer<ffi::S32> unique_rows, ffi::ResultBuffer<ffi::F32> delta,
+                        ffi::ResultBuffer<ffi::S32> distinct_rows, ffi::ResultBuffer<ffi::F32> delta,
                         ffi::ResultBuffer<ffi::F32> mu_out, ffi::ResultBuffer<ffi::F32> nu_out) {
   const int64_t nse = static_cast<int64_t>(rows.element_count());
   const int64_t row_size = RowSize(mu, num_rows);
@@ -188,7 +188,7 @@ ffi::Error AdamRowsImpl(ffi::Buffer<ffi::S32> rows, ffi::Buffer<ffi::F32> values
   const float* c = coeffs.typed_data();
   const float neg_step_size = -c[3];
   const float* val = values.typed_data();
-  int32_t* out_rows = unique_rows->typed_data();
+  int32_t* out_rows = distinct_rows->typed_data();
   float* out = delta->typed_data();
 
   std::vector<uint32_t> sorted_rows, position;
@@ -235,10 +235,10 @@ ffi::Error AdamRowsImpl(ffi::Buffer<ffi::S32> rows, ffi::Buffer<ffi::F32> values
 
 // param[rows[i]] += values[i] for in-range rows, in input order (XLA's
 // scatter-add order); out-of-range rows (BCOO padding) are dropped.
-// `unique_rows` promises no in-range row repeats (sparse_adam's updates).
+// `rows_unique` promises no in-range row repeats (sparse_adam's updates).
 ffi::Error ScatterAddRowsImpl(ffi::Buffer<ffi::F32> param, ffi::Buffer<ffi::S32> rows,
                               ffi::Buffer<ffi::F32> values, int64_t num_rows,
-                              bool unique_rows, ffi::ThreadPool pool,
+                              bool rows_unique, ffi::ThreadPool pool,
                               ffi::ResultBuffer<ffi::F32> out) {
   const int64_t nse = static_cast<int64_t>(rows.element_count());
   const int64_t row_size = RowSize(param, num_rows);
@@ -251,7 +251,7 @@ ffi::Error ScatterAddRowsImpl(ffi::Buffer<ffi::F32> param, ffi::Buffer<ffi::S32>
   const int32_t* r = rows.typed_data();
   const float* val = values.typed_data();
   const int64_t threads = pool.num_threads() + 1;
-  if (unique_rows) {
+  if (rows_unique) {
     // Distinct rows (sparse_adam's updates): chunks of entries are independent.
     const int64_t num_chunks = std::max<int64_t>(1, std::min(nse, kChunksPerThread * threads));
     auto run_chunk = [&](int64_t chunk) {
@@ -286,7 +286,7 @@ ffi::Error ScatterAddRowsImpl(ffi::Buffer<ffi::F32> param, ffi::Buffer<ffi::S32>
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(OsaAdamRowsF32, AdamRowsImpl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(OsaFusedAdamF32, FusedAdamImpl,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
@@ -307,6 +307,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(OsaScatterAddRowsF32, ScatterAddRowsImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("num_rows")
-                                  .Attr<bool>("unique_rows")
+                                  .Attr<bool>("rows_unique")
                                   .Ctx<ffi::ThreadPool>()
                                   .Ret<ffi::Buffer<ffi::F32>>());

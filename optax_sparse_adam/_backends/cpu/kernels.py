@@ -1,10 +1,12 @@
-"""The fused CPU kernels of a masked Adam step (`kernels.cc`), and when to use them.
+"""The fused CPU kernels (`kernels.cc`): each rule's kernel variant, and when to use it.
 
-XLA:CPU runs gathers and scatters element by element; these two XLA FFI kernels
-do a step's coalescing, moment updates and parameter scatter-add in one pass
-per table instead. They compute `adam.adam_rows` bit for bit, and they are
-used only where they apply: on the CPU, float32 gradient, moments and
-parameter, with no amsgrad, weight decay or per-row bias correction, and arrays
+XLA:CPU runs gathers and scatters element by element; these XLA FFI kernels do
+a step's coalescing, slot updates and parameter scatter-add in one pass per
+table instead. A rule with a kernel variant is listed in `_VARIANTS` by its
+name; the variant computes what `xla.masked_step` computes with that rule, bit
+for bit. The Adam variant is used only where it applies: on the CPU, float32
+gradient, moments and parameter, with no amsgrad, weight decay or per-row bias
+correction, and arrays
 known to be on one device (XLA cannot partition a custom call: it would gather
 a sharded table onto every device, so possibly sharded tables keep the XLA
 path). Everything else runs XLA ops; `lax.platform_dependent` picks per backend
@@ -22,19 +24,20 @@ import ctypes
 import functools
 import importlib.machinery
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from optax_sparse_adam._backends import choice
 from optax_sparse_adam._core import sharding
-from optax_sparse_adam._core.adam import RowsStep, StepOptions, TableState
+from optax_sparse_adam._core.adam import AdamRule
 from optax_sparse_adam._core.bcoo import RowLayout
+from optax_sparse_adam._core.rules import RowsStep, StepInputs, StepPlan, Tables
 
-_ADAM_ROWS = "optax_sparse_adam_adam_rows_f32"
+_FUSED_ADAM = "optax_sparse_adam_fused_adam_f32"
 _SCATTER_ADD_ROWS = "optax_sparse_adam_scatter_add_rows_f32"
 # Under jax.vmap a kernel runs once per batch element (a loop around the call).
 _VMAP_METHOD = "sequential"
@@ -71,7 +74,7 @@ def available() -> bool:
   try:
     library = ctypes.CDLL(str(path))
     jax.ffi.register_ffi_target(
-      _ADAM_ROWS, jax.ffi.pycapsule(library.OsaAdamRowsF32), platform="cpu"
+      _FUSED_ADAM, jax.ffi.pycapsule(library.OsaFusedAdamF32), platform="cpu"
     )
     jax.ffi.register_ffi_target(
       _SCATTER_ADD_ROWS, jax.ffi.pycapsule(library.OsaScatterAddRowsF32), platform="cpu"
@@ -106,22 +109,22 @@ def _applies(arrays: Sequence[Any], *, nse: int, num_rows: int, row_size: int) -
   )
 
 
-def step_applies(
-  values: jax.Array, tables: TableState, *, layout: RowLayout, options: StepOptions
-) -> bool:
-  """Whether `rows_step` computes this step: float32, no amsgrad, weight decay or per-row steps."""
-  return (
-    tables.nu_max is None
-    and tables.row_step is None
-    and options.weight_decay == "none"
-    and options.step_size is not None
-    and _applies(
-      (values, tables.mu, tables.nu),
-      nse=values.shape[0],
-      num_rows=layout.num_rows,
-      row_size=math.prod(layout.dense_shape),
-    )
-  )
+class KernelVariant(NamedTuple):
+  """A rule's fused CPU kernel: when it computes a step, and the step itself."""
+
+  applies: Callable[[StepInputs, StepPlan], bool]
+  masked_step: Callable[[StepInputs, StepPlan], RowsStep]
+
+
+def step_applies(inputs: StepInputs, plan: StepPlan) -> bool:
+  """Whether the rule's kernel variant computes this step (see `masked_step`)."""
+  variant = _VARIANTS.get(plan.rule.name)
+  return variant is not None and variant.applies(inputs, plan)
+
+
+def masked_step(inputs: StepInputs, plan: StepPlan) -> RowsStep:
+  """`xla.masked_step` by the rule's fused kernel, for a step where `step_applies`."""
+  return _VARIANTS[plan.rule.name].masked_step(inputs, plan)
 
 
 def scatter_add_applies(param: jax.Array, values: jax.Array, *, layout: RowLayout) -> bool:
@@ -166,38 +169,48 @@ def use_cpu_kernels(enable: bool) -> Iterator[None]:
     yield
 
 
-def rows_step(
-  rows: jax.Array,
-  values: jax.Array,
-  tables: TableState,
-  *,
-  layout: RowLayout,
-  options: StepOptions,
-) -> RowsStep:
-  """`xla.rows_step` by the fused kernel, for a step where `step_applies`."""
+def _adam_applies(inputs: StepInputs, plan: StepPlan) -> bool:
+  """Float32 Adam with no amsgrad, weight decay or per-row steps."""
+  rule, tables = plan.rule, inputs.tables
+  return (
+    isinstance(rule, AdamRule)
+    and not rule.amsgrad
+    and tables.row_step is None
+    and plan.config.weight_decay == "none"
+    and _applies(
+      (inputs.values, tables.slots["mu"], tables.slots["nu"]),
+      nse=inputs.values.shape[0],
+      num_rows=plan.layout.num_rows,
+      row_size=math.prod(plan.layout.dense_shape),
+    )
+  )
+
+
+def _adam_step(inputs: StepInputs, plan: StepPlan) -> RowsStep:
   f32 = jnp.float32
-  coeffs = options.coeffs
+  hyper = inputs.hyper
+  assert isinstance(plan.rule, AdamRule)
   coefficients = jnp.stack(
     [
-      jnp.asarray(coeffs.one_minus_b1, f32),
-      jnp.asarray(coeffs.one_minus_b2, f32),
-      jnp.asarray(coeffs.eps, f32),
-      jnp.asarray(options.step_size, f32),
+      jnp.asarray(hyper.one_minus_b1, f32),
+      jnp.asarray(hyper.one_minus_b2, f32),
+      jnp.asarray(hyper.eps, f32),
+      jnp.asarray(plan.rule.step_size(hyper, inputs.step), f32),
     ]
   )
-  unique_rows, delta, mu, nu = adam_rows(
-    rows,
-    values,
-    tables.mu,
-    tables.nu,
+  distinct_rows, delta, mu, nu = fused_adam(
+    inputs.rows,
+    inputs.values,
+    inputs.tables.slots["mu"],
+    inputs.tables.slots["nu"],
     coefficients,
-    num_rows=layout.num_rows,
-    maximize=options.maximize,
+    num_rows=plan.layout.num_rows,
+    maximize=plan.config.maximize,
   )
-  return RowsStep(unique_rows, delta, TableState(mu, nu))
+  return RowsStep(distinct_rows, delta, Tables({"mu": mu, "nu": nu}))
 
 
-def adam_rows(
+def fused_adam(
   rows: jax.Array,
   values: jax.Array,
   mu: jax.Array,
@@ -207,7 +220,7 @@ def adam_rows(
   num_rows: int,
   maximize: bool,
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-  """The coalesced Adam step of one table on the CPU.
+  """The coalesced Adam step of one table on the CPU (the FFI call).
 
   Tables keep their own shapes (a reshape would make XLA copy an operand the
   kernel updates in place); the kernel views them as `num_rows` rows.
@@ -221,7 +234,7 @@ def adam_rows(
     maximize: ascend instead of descend.
 
   Returns:
-    `(unique_rows, delta, mu, nu)` as in `bcoo.CoalescedRows` and `adam_rows`.
+    `(rows, delta, mu, nu)`: distinct rows then padding, as `xla.masked_step` with `AdamRule()`.
   """
   nse = rows.shape[0]
   out_types = (
@@ -231,18 +244,22 @@ def adam_rows(
     jax.ShapeDtypeStruct(nu.shape, jnp.float32),
   )
   call = jax.ffi.ffi_call(
-    _ADAM_ROWS, out_types, input_output_aliases={2: 2, 3: 3}, vmap_method=_VMAP_METHOD
+    _FUSED_ADAM, out_types, input_output_aliases={2: 2, 3: 3}, vmap_method=_VMAP_METHOD
   )
   return call(rows, values, mu, nu, coefficients, num_rows=num_rows, maximize=maximize)
 
 
+# The rules with a fused kernel, by `RowRule.name`.
+_VARIANTS: dict[str, KernelVariant] = {"adam": KernelVariant(_adam_applies, _adam_step)}
+
+
 def scatter_add_rows(
-  table: jax.Array, rows: jax.Array, values: jax.Array, *, num_rows: int, unique_rows: bool
+  table: jax.Array, rows: jax.Array, values: jax.Array, *, num_rows: int, rows_unique: bool
 ) -> jax.Array:
   """`table[rows] += values` in input order, out-of-range rows dropped; in place when donated.
 
   `table` keeps its shape and is viewed as `num_rows` rows; `values` holds one
-  row per entry of `rows`. `unique_rows` promises that no in-range row repeats.
+  row per entry of `rows`. `rows_unique` promises that no in-range row repeats.
   """
   call = jax.ffi.ffi_call(
     _SCATTER_ADD_ROWS,
@@ -250,4 +267,4 @@ def scatter_add_rows(
     input_output_aliases={0: 0},
     vmap_method=_VMAP_METHOD,
   )
-  return call(table, rows, values, num_rows=num_rows, unique_rows=unique_rows)
+  return call(table, rows, values, num_rows=num_rows, rows_unique=rows_unique)

@@ -9,8 +9,9 @@ import jax.numpy as jnp
 import optax
 from jax.experimental import sparse
 
-from optax_sparse_adam._core import bcoo, leaf
+from optax_sparse_adam._core import bcoo
 from optax_sparse_adam._core.errors import is_grad_leaf, path_difference, path_str
+from optax_sparse_adam._optax import leaf
 
 
 def apply_updates(params: optax.Params, updates: optax.Updates) -> optax.Params:

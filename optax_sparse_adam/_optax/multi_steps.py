@@ -15,13 +15,14 @@ import optax
 from jax import lax
 from jax.experimental import sparse
 
-from optax_sparse_adam._core import bcoo, composition
+from optax_sparse_adam._core import bcoo
 from optax_sparse_adam._core.errors import (
   describe,
   flatten_grads,
   leaves_up_to,
   path_str,
 )
+from optax_sparse_adam._optax import composition
 
 
 class RowBuffer(NamedTuple):

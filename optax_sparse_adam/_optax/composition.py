@@ -11,7 +11,7 @@ gradient.
 
 Combinators that keep per-parameter state or build their own zero updates
 cannot be lifted this way; `sparse_apply_if_finite` (here) and
-`sparse_multi_steps` (`_core.multi_steps`) replace `optax.apply_if_finite` and
+`sparse_multi_steps` (`_optax.multi_steps`) replace `optax.apply_if_finite` and
 `optax.MultiSteps` for BCOO gradients.
 """
 
@@ -26,7 +26,7 @@ import optax
 from jax import lax
 from jax.experimental import sparse
 
-from optax_sparse_adam._core import bcoo
+from optax_sparse_adam._core import bcoo, coalesce
 from optax_sparse_adam._core.errors import (
   describe,
   flatten_grads,
@@ -88,7 +88,7 @@ def _lift(updates: Any, params: Any, who: str) -> _Lifted:
       lifted_params.append(param)
       continue
     layout = checked_row_layout(grad, _param_shape(grad, param), path, who)
-    coalesced = bcoo.coalesce_rows(
+    coalesced = coalesce.coalesce_rows(
       bcoo.linear_rows(grad.indices, layout), grad.data, layout.num_rows
     )
     layouts.append(layout)

@@ -9,9 +9,11 @@ import jax.numpy as jnp
 import optax
 from jax.experimental import sparse
 
-from optax_sparse_adam._core import adam, bcoo, leaf, sharding
+from optax_sparse_adam._core import adam, bcoo, rules, sharding
+from optax_sparse_adam._core.adam import AdamRule, LeafState
 from optax_sparse_adam._core.errors import describe, flatten_grads, leaves_up_to, path_str
 from optax_sparse_adam._core.hyperparams import check_hyperparams, moment_dtype
+from optax_sparse_adam._optax import leaf
 
 ScalarOrSchedule = float | jax.Array | optax.Schedule
 
@@ -38,28 +40,38 @@ class SparseAdamState(NamedTuple):
   row_step: optax.Updates | None
 
 
-def _init_state(
-  params: optax.Params,
-  *,
-  mu_dtype: Any,
-  nu_dtype: Any,
-  amsgrad: bool,
-  per_row_bias_correction: bool,
-) -> SparseAdamState:
+class SparseAdamOptions(NamedTuple):
+  """The options of `sparse_adam`/`sparse_adamw`, as one value (see `sparse_adam`)."""
+
+  learning_rate: ScalarOrSchedule
+  b1: float
+  b2: float
+  eps: float
+  weight_decay: float
+  maximize: bool
+  amsgrad: bool
+  decoupled_weight_decay: bool
+  per_row_bias_correction: bool
+  mu_dtype: Any
+  nu_dtype: Any
+
+  @property
+  def rule(self) -> AdamRule:
+    return AdamRule(amsgrad=self.amsgrad)
+
+
+def _init_state(params: optax.Params, options: SparseAdamOptions) -> SparseAdamState:
   """Zero moments (and max/row steps where asked) for every parameter; count and steps 0."""
   leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path(params)
+  dtypes = {"mu": options.mu_dtype, "nu": options.nu_dtype}
   states = []
   for path, param in leaves_with_path:
     bcoo.check_param_dtype(param, path)
-    states.append(
-      adam.init_leaf_state(
-        param,
-        mu_dtype=mu_dtype,
-        nu_dtype=nu_dtype,
-        amsgrad=amsgrad,
-        per_row_bias_correction=per_row_bias_correction,
-      )
+    tables = rules.init_tables(
+      options.rule, param, dtypes=dtypes, per_row_steps=options.per_row_bias_correction
     )
+    step = jnp.zeros([], jnp.int32, device=sharding.replicated_like(param))
+    states.append(_leaf_state(step, tables))
 
   def field(name: str) -> Any:
     values = [getattr(s, name) for s in states]
@@ -79,18 +91,23 @@ def _init_state(
   )
 
 
-def _leaf_states(treedef: Any, paths: list[Any], state: SparseAdamState) -> list[adam.LeafState]:
+def _leaf_state(step: jax.Array, tables: rules.Tables) -> LeafState:
+  slots = tables.slots
+  return LeafState(step, slots["mu"], slots["nu"], slots.get("nu_max"), tables.row_step)
+
+
+def _leaf_states(treedef: Any, paths: list[Any], state: SparseAdamState) -> list[LeafState]:
   """One `LeafState` per gradient leaf, read from the state's fields."""
   step = leaves_up_to(treedef, state.step, "optimizer state", paths)
   mu = leaves_up_to(treedef, state.mu, "optimizer state", paths)
   nu = leaves_up_to(treedef, state.nu, "optimizer state", paths)
   nu_max = leaves_up_to(treedef, state.nu_max, "optimizer state", paths)
   row_step = leaves_up_to(treedef, state.row_step, "optimizer state", paths)
-  return [adam.LeafState(*fields) for fields in zip(step, mu, nu, nu_max, row_step, strict=True)]
+  return [LeafState(*fields) for fields in zip(step, mu, nu, nu_max, row_step, strict=True)]
 
 
 def _check_grads(
-  grads_with_path: list[tuple[Any, Any]], states: list[adam.LeafState], params: list[Any]
+  grads_with_path: list[tuple[Any, Any]], states: list[LeafState], params: list[Any]
 ) -> None:
   """Refuses a dense gradient, a BCOO of the wrong layout, or a param of another shape.
 
@@ -124,40 +141,29 @@ def _check_grads(
       )
 
 
-def _scale_by_sparse_adam(
-  learning_rate: ScalarOrSchedule,
-  b1: float,
-  b2: float,
-  eps: float,
-  weight_decay: float,
-  *,
-  maximize: bool,
-  amsgrad: bool,
-  decoupled_weight_decay: bool,
-  per_row_bias_correction: bool,
-  mu_dtype: Any,
-  nu_dtype: Any,
-) -> optax.GradientTransformation:
+def _scale_by_sparse_adam(options: SparseAdamOptions) -> optax.GradientTransformation:
   """The transformation behind `sparse_adam` and `sparse_adamw` (see `sparse_adam`).
 
   `update` reads each parameter's `LeafState`, checks every gradient leaf, then
-  steps each parameter with a BCOO gradient (`leaf.sparse_adam_leaf_step`); a
-  None gradient leaves its parameter's state as it is.
+  steps each parameter with a BCOO gradient under the Adam rule
+  (`leaf.masked_leaf_step`); a None gradient leaves its parameter's state as it is.
   """
+  learning_rate, b1, b2, eps, weight_decay = options[:5]
   check_hyperparams(
     learning_rate if not callable(learning_rate) else 1.0, b1, b2, eps, weight_decay
   )
-  mu_dtype = moment_dtype(mu_dtype, "mu_dtype")
-  nu_dtype = moment_dtype(nu_dtype, "nu_dtype")
+  options = options._replace(
+    mu_dtype=moment_dtype(options.mu_dtype, "mu_dtype"),
+    nu_dtype=moment_dtype(options.nu_dtype, "nu_dtype"),
+  )
+  rule = options.rule
+  config = rules.StepConfig(
+    maximize=options.maximize,
+    weight_decay=leaf.weight_decay_mode(weight_decay, decoupled=options.decoupled_weight_decay),
+  )
 
   def init_fn(params: optax.Params) -> SparseAdamState:
-    return _init_state(
-      params,
-      mu_dtype=mu_dtype,
-      nu_dtype=nu_dtype,
-      amsgrad=amsgrad,
-      per_row_bias_correction=per_row_bias_correction,
-    )
+    return _init_state(params, options)
 
   def update_fn(
     updates: optax.Updates, state: SparseAdamState, params: optax.Params | None = None
@@ -172,35 +178,30 @@ def _scale_by_sparse_adam(
     # A zero the compiler cannot see through: the math rounds each product before
     # adding it, as torch does, instead of XLA contracting the pair into an FMA.
     opaque_zero = jnp.minimum(state.count, 0)
-    coeffs = adam.adam_coefficients(lr, b1, b2, eps, weight_decay)
+    hyper = adam.hyperparams_of(adam.adam_coefficients(lr, b1, b2, eps, weight_decay))
     new_updates, new_states = [], []
     for (path, grad), leaf_state, param in zip(grads_with_path, states, param_leaves, strict=True):
       if grad is None:
         new_updates.append(None)
         new_states.append(leaf_state)
         continue
-      update, leaf_state = leaf.sparse_adam_leaf_step(
+      slots = {slot.name: getattr(leaf_state, slot.name) for slot in rule.slots()}
+      step = leaf.masked_leaf_step(
         grad,
-        leaf_state,
-        param,
-        coeffs,
-        maximize=maximize,
-        decoupled_weight_decay=decoupled_weight_decay,
+        rules.Tables(slots, leaf_state.row_step, param),
+        leaf_state.step,
+        rule=rule,
+        config=config,
+        hyper=hyper,
         path=path,
         opaque_zero=opaque_zero,
+        # The update carries the gradient's BCOO metadata, so updates keep the
+        # gradients' tree structure: lax.cond wrappers such as
+        # optax.apply_if_finite need both branches to match.
+        update_flags=(grad.indices_sorted, grad.unique_indices),
       )
-      # The update carries the gradient's BCOO metadata, so updates keep the
-      # gradients' tree structure: lax.cond wrappers such as optax.apply_if_finite
-      # need both branches to match. The indices are sorted and unique regardless.
-      new_updates.append(
-        sparse.BCOO(
-          (update.data, update.indices),
-          shape=update.shape,
-          indices_sorted=grad.indices_sorted,
-          unique_indices=grad.unique_indices,
-        )
-      )
-      new_states.append(leaf_state)
+      new_updates.append(step.update)
+      new_states.append(_leaf_state(step.step, step.tables))
 
     def field(name: str, old: Any) -> Any:
       if old is None:
@@ -303,19 +304,7 @@ def sparse_adam(
     Kingma and Ba, `Adam: A Method for Stochastic Optimization
     <https://arxiv.org/abs/1412.6980>`_, 2014
   """
-  return _scale_by_sparse_adam(
-    learning_rate,
-    b1,
-    b2,
-    eps,
-    weight_decay,
-    maximize=maximize,
-    amsgrad=amsgrad,
-    decoupled_weight_decay=False,
-    per_row_bias_correction=per_row_bias_correction,
-    mu_dtype=mu_dtype,
-    nu_dtype=nu_dtype,
-  )
+  return _scale_by_sparse_adam(SparseAdamOptions(**locals(), decoupled_weight_decay=False))
 
 
 def sparse_adamw(
@@ -370,16 +359,4 @@ def sparse_adamw(
     Loshchilov and Hutter, `Decoupled Weight Decay Regularization
     <https://arxiv.org/abs/1711.05101>`_, 2019
   """
-  return _scale_by_sparse_adam(
-    learning_rate,
-    b1,
-    b2,
-    eps,
-    weight_decay,
-    maximize=maximize,
-    amsgrad=amsgrad,
-    decoupled_weight_decay=True,
-    per_row_bias_correction=per_row_bias_correction,
-    mu_dtype=mu_dtype,
-    nu_dtype=nu_dtype,
-  )
+  return _scale_by_sparse_adam(SparseAdamOptions(**locals(), decoupled_weight_decay=True))

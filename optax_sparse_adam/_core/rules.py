@@ -1,0 +1,220 @@
+"""Row rules, and the values that carry one parameter's step from the optax layer to a backend.
+
+A row rule is an optimizer reduced to what differs between optimizers, in the
+shape of FBGEMM's optimizer codegen: it declares its state per row (`slots`:
+full-width tables like Adam's m and v, or one scalar per row like a row-wise
+second moment) and its update of a block of coalesced rows (`update`). One
+pipeline runs every rule (`_backends.xla.masked_step`, which every backend
+shares or matches bit for bit):
+
+  rows, g   = coalesce(gradient)                 (duplicates summed, `_core.coalesce`)
+  s[name]   = slot tables gathered at the rows   (for each of `rule.slots()`)
+  g         = -g if maximize;  g += wd * p[rows] if L2 weight decay
+  t         = the parameter's step, or each row's own (per-row step counts)
+  delta, s' = rule.update(g, s, t, hyper)
+  delta    -= lr * wd * p[rows] if decoupled weight decay
+  slot tables[rows] = s'                         (touched rows only)
+
+What is fixed when a step is traced travels apart from what is traced: a
+`StepPlan` (the row layout, the rule, a `StepConfig`; hashable) against
+`StepInputs` (arrays, and the rule's hyper-parameters as floats or arrays).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any, Literal, NamedTuple, Protocol
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec
+
+from optax_sparse_adam._core import sharding
+from optax_sparse_adam._core.bcoo import RowLayout
+
+WeightDecay = Literal["none", "l2", "decoupled"]
+
+
+class Slot(NamedTuple):
+  """One table of a rule's state.
+
+  Attributes:
+    name: the slot's key in the rule's tables (and its field in the optax state).
+    per_row: one value per row, shape `(num_rows,)`, instead of the parameter's
+      shape.
+    dtype_of: the slot whose dtype setting this one follows (e.g. a running max
+      of `nu` is stored like `nu`); None: its own.
+  """
+
+  name: str
+  per_row: bool = False
+  dtype_of: str | None = None
+
+
+class RowRule(Protocol):
+  """An optimizer's per-row state and its update of a block of rows: hashable, static.
+
+  A rule's hyper-parameters are a NamedTuple of floats or 0-d arrays with at
+  least the fields `learning_rate` and `weight_decay` (None where unused): the
+  pipeline reads those two for weight decay and hands the whole to `update`.
+  """
+
+  @property
+  def name(self) -> str:
+    """Names the rule (and its fused CPU kernel, where one is registered)."""
+    ...
+
+  def slots(self) -> tuple[Slot, ...]:
+    """The rule's tables, in the order the pipeline gathers them."""
+    ...
+
+  def update(
+    self,
+    grad: jax.Array,
+    slot_rows: Mapping[str, jax.Array],
+    step: jax.Array,
+    hyper: Any,
+    *,
+    compute_dtype: Any,
+    opaque_zero: jax.Array | None,
+  ) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """The update of a block of `n` coalesced rows.
+
+    Args:
+      grad: `(n, *dense_shape)` summed gradient rows in `compute_dtype`, with
+        maximize and L2 weight decay applied.
+      slot_rows: each slot's old rows, in its storage dtype: `(n, *dense_shape)`
+        for a full-width slot, `(n,)` for a per-row one.
+      step: int32, the step count this update makes: a scalar (the
+        parameter's), or `(n, 1, ...)` (each row's, broadcastable to `grad`).
+      hyper: the rule's hyper-parameters.
+      compute_dtype: the dtype of the arithmetic.
+      opaque_zero: an int32 zero known only at run time, or None; when given,
+        products are rounded before they are added (`adam.rounded`).
+
+    Returns:
+      `(delta, new_slot_rows)`: the signed parameter update of each row (before
+      decoupled weight decay) and every slot's new rows, in the slot's dtype.
+      Every slot must be returned: the pipeline may have used a slot table as
+      scratch in the touched rows (`coalesce.segments_by_marking`).
+    """
+    ...
+
+
+class StepConfig(NamedTuple):
+  """The static switches of a step, fixed at trace time (hashable).
+
+  Attributes:
+    maximize: ascend instead of descend (the summed gradient is negated).
+    weight_decay: "none"; "l2" (`g += wd * p`, before the rule); or
+      "decoupled" (`delta -= lr * wd * p`, after it), on the touched rows.
+    compute_dtype: the dtype of the arithmetic (float32 or wider).
+  """
+
+  maximize: bool = False
+  weight_decay: WeightDecay = "none"
+  compute_dtype: Any = jnp.dtype(jnp.float32)
+
+
+class StepPlan(NamedTuple):
+  """What a backend needs to know when it traces a step: all static."""
+
+  layout: RowLayout
+  rule: RowRule
+  config: StepConfig
+
+
+class Tables(NamedTuple):
+  """The arrays of one parameter's step that are indexed by its rows.
+
+  Attributes:
+    slots: the rule's tables by slot name: parameter-shaped (a backend views
+      them as rows as it needs: an in-place kernel must not see a reshaped
+      copy), or `(num_rows,)` for a per-row slot.
+    row_step: int32 `(num_rows,)` steps of each row, or None (one step for all).
+    param: the parameter, read for weight decay (never written), or None.
+  """
+
+  slots: dict[str, jax.Array]
+  row_step: jax.Array | None = None
+  param: jax.Array | None = None
+
+
+class StepInputs(NamedTuple):
+  """The traced inputs of one parameter's step.
+
+  Attributes:
+    rows: int32 `(nse,)` row ids (`bcoo.linear_rows`; padding is `num_rows`).
+    values: `(nse, *dense_shape)` gradient entries.
+    tables: the rule's tables and the optional arrays.
+    step: int32 scalar, the parameter's step count after this step, or None
+      where the rule needs none (a step size given in `hyper`).
+    hyper: the rule's hyper-parameters (floats or arrays).
+    opaque_zero: an int32 zero known only at run time, or None.
+  """
+
+  rows: jax.Array
+  values: jax.Array
+  tables: Tables
+  step: jax.Array | None
+  hyper: Any
+  opaque_zero: jax.Array | None = None
+
+
+class RowsStep(NamedTuple):
+  """What a backend returns for one parameter's step.
+
+  Attributes:
+    rows: int32 `(nse,)` distinct rows, ascending, then padding slots
+      (`bcoo.CoalescedRows`).
+    delta: the signed parameter update of each slot, in the gradient's dtype;
+      zero in padding slots.
+    tables: the new `Tables` (without `param`).
+  """
+
+  rows: jax.Array
+  delta: jax.Array
+  tables: Tables
+
+
+def init_tables(
+  rule: RowRule,
+  param: jax.Array,
+  *,
+  dtypes: Mapping[str, Any] | None = None,
+  per_row_steps: bool = False,
+  sparse_dims: int = 1,
+) -> Tables:
+  """Zero slot tables for `param` (with its sharding), and zero row steps if asked.
+
+  Args:
+    rule: the rule whose slots to make.
+    param: the parameter.
+    dtypes: a storage dtype by slot name (None or missing: the parameter's).
+    per_row_steps: also keep an int32 step count per row.
+    sparse_dims: the number of leading dims that index rows (1 for an
+      embedding table), for per-row slots and row steps.
+
+  Returns:
+    `Tables` with no `param`.
+  """
+  dtypes = dtypes or {}
+  num_rows = math.prod(param.shape[:sparse_dims])
+  slots: dict[str, jax.Array] = {}
+  for slot in rule.slots():
+    dtype = dtypes.get(slot.dtype_of or slot.name) or param.dtype
+    if slot.per_row:
+      slots[slot.name] = _zeros_by_row(param, num_rows, sparse_dims, dtype)
+    else:
+      slots[slot.name] = jnp.zeros_like(param, dtype=dtype)
+  row_step = _zeros_by_row(param, num_rows, sparse_dims, jnp.int32) if per_row_steps else None
+  return Tables(slots, row_step)
+
+
+def _zeros_by_row(param: jax.Array, num_rows: int, sparse_dims: int, dtype: Any) -> jax.Array:
+  # Split like the table's rows, so that a row-sharded table's per-row arrays are too.
+  rows_sharding = sharding.leading_dims_sharding(param, sparse_dims)
+  if isinstance(rows_sharding, PartitionSpec):
+    return jnp.zeros((num_rows,), dtype, out_sharding=rows_sharding)
+  return jnp.zeros((num_rows,), dtype, device=rows_sharding)

@@ -1,0 +1,259 @@
+"""One parameter's step and one parameter's apply: the optax layer's two calls into the backends.
+
+`masked_leaf_step` validates a BCOO gradient against a rule's tables, advances
+the step counter, and hands the rows to `_backends.dispatch.masked_step`, which
+picks how they run on the backend the step is lowered for; it builds the update
+BCOO once. `sparse_adam_leaf_step` is its public Adam face. `scatter_add_bcoo`
+does the same for `param + update`. Under a mesh with `Explicit` axes both run
+in an auto-axes region (`_core.sharding`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.experimental import sparse
+from jax.sharding import PartitionSpec
+
+from optax_sparse_adam._backends import dispatch
+from optax_sparse_adam._core import adam, bcoo, sharding
+from optax_sparse_adam._core.adam import AdamCoefficients, AdamRule, LeafState
+from optax_sparse_adam._core.errors import is_python_number, path_str
+from optax_sparse_adam._core.rules import (
+  RowRule,
+  StepConfig,
+  StepInputs,
+  StepPlan,
+  Tables,
+  WeightDecay,
+)
+
+
+def weight_decay_mode(weight_decay: Any, *, decoupled: bool) -> WeightDecay:
+  """The static weight-decay switch for a rate given when a transformation is made.
+
+  A Python zero means none (SparseAdam's numerics, no parameter read); anything
+  else, an array included, decays ("decoupled" AdamW-style, else "l2").
+  """
+  if weight_decay is None or (is_python_number(weight_decay) and weight_decay == 0):
+    return "none"
+  return "decoupled" if decoupled else "l2"
+
+
+def sparse_adam_leaf_step(
+  grad: sparse.BCOO,
+  state: LeafState,
+  param: jax.Array | None,
+  coeffs: AdamCoefficients,
+  *,
+  maximize: bool = False,
+  decoupled_weight_decay: bool = False,
+  step_size: jax.Array | None = None,
+  path: tuple = (),
+  opaque_zero: jax.Array | None = None,
+) -> tuple[sparse.BCOO, LeafState]:
+  """One masked Adam step of one parameter from its BCOO gradient.
+
+  Args:
+    grad: BCOO gradient of the parameter's shape, `n_batch == 0`.
+    state: the parameter's `LeafState`.
+    param: the parameter, needed only with weight decay.
+    coeffs: step constants (`adam_coefficients`).
+    maximize: ascend instead of descend.
+    decoupled_weight_decay: apply `coeffs.weight_decay` AdamW-style to the
+      touched rows instead of adding it to the gradient (L2).
+    step_size: an overriding bias-corrected step size for this step, e.g. one
+      computed on the host in float64 as torch does. Ignored with per-row bias
+      correction.
+    path: the leaf's pytree path, for error messages.
+    opaque_zero: an int32 zero passed into the compiled function at run time;
+      when given, every product is rounded before it is added, as in torch,
+      instead of being fused into an FMA by XLA (see `adam.rounded`).
+
+  Returns:
+    `(update, new_state)`: a BCOO update with sorted unique indices holding the
+    signed deltas of the touched rows, and the new state. Only touched rows of
+    the moments change; the step advances also when the gradient is empty. The
+    new state has the sharding of `state`; under a mesh with `Explicit` axes the
+    update is replicated (it holds the gradient's entries, not the table's).
+  """
+  slots = {"mu": state.mu, "nu": state.nu}
+  if state.nu_max is not None:
+    slots["nu_max"] = state.nu_max
+  config = StepConfig(
+    maximize=maximize,
+    weight_decay=weight_decay_mode(coeffs.weight_decay, decoupled=decoupled_weight_decay),
+  )
+  # With per-row bias correction each row has its own step size.
+  given = step_size if state.row_step is None else None
+  step = masked_leaf_step(
+    grad,
+    Tables(slots, state.row_step, param),
+    state.step,
+    rule=AdamRule(amsgrad=state.nu_max is not None),
+    config=config,
+    hyper=adam.hyperparams_of(coeffs, given),
+    path=path,
+    opaque_zero=opaque_zero,
+  )
+  new_slots = step.tables.slots
+  new_state = LeafState(
+    step.step, new_slots["mu"], new_slots["nu"], new_slots.get("nu_max"), step.tables.row_step
+  )
+  return step.update, new_state
+
+
+class LeafStep(NamedTuple):
+  """What `masked_leaf_step` returns.
+
+  Attributes:
+    update: the BCOO update: sorted, unique indices holding the signed deltas
+      of the touched rows (padding out of range).
+    step: the parameter's new step count (None if not given one).
+    tables: the rule's new tables (without `param`).
+  """
+
+  update: sparse.BCOO
+  step: jax.Array | None
+  tables: Tables
+
+
+def masked_leaf_step(
+  grad: sparse.BCOO,
+  tables: Tables,
+  step: jax.Array | None,
+  *,
+  rule: RowRule,
+  config: StepConfig,
+  hyper: Any,
+  path: tuple = (),
+  opaque_zero: jax.Array | None = None,
+  update_flags: tuple[bool, bool] = (True, True),
+) -> LeafStep:
+  """One masked step of one parameter under `rule`, from its BCOO gradient.
+
+  Args:
+    grad: BCOO gradient of the parameter's shape, `n_batch == 0`.
+    tables: the rule's slot tables, the row steps (or None) and the parameter
+      (read with weight decay only).
+    step: int32 scalar, the parameter's step count before this step; None
+      where the caller counts steps itself and gives the rule what it needs
+      (the torch adapter's host-computed step size).
+    rule: the row rule.
+    config: the static switches; its `compute_dtype` is set here from the
+      gradient's and the slots' dtypes.
+    hyper: the rule's hyper-parameters.
+    path: the leaf's pytree path, for error messages.
+    opaque_zero: an int32 zero given at run time, or None (`adam.rounded`).
+    update_flags: the update BCOO's `(indices_sorted, unique_indices)`
+      metadata (its indices are sorted and unique regardless).
+
+  Returns:
+    The `LeafStep`. Only touched rows of the tables change; the step advances
+    also when the gradient is empty. The new tables have the sharding of
+    `tables`; under a mesh with `Explicit` axes the update is replicated (it
+    holds the gradient's entries, not the table's).
+  """
+  param_shape = _param_shape(tables, rule)
+  layout = bcoo.row_layout(grad, param_shape, path)
+  _check_tables(tables, layout, config, path)
+  compute_dtype = jnp.result_type(
+    jnp.float32, grad.dtype, *(table.dtype for table in tables.slots.values())
+  )
+  plan = StepPlan(layout, rule, config._replace(compute_dtype=jnp.dtype(compute_dtype)))
+  if config.weight_decay == "none":
+    tables = tables._replace(param=None)
+  new_step = None if step is None else optax.safe_increment(step)
+
+  def run(grad_data, grad_indices, tables, new_step, hyper, opaque_zero):
+    inputs = StepInputs(
+      bcoo.linear_rows(grad_indices, layout), grad_data, tables, new_step, hyper, opaque_zero
+    )
+    result = dispatch.masked_step(inputs, plan)
+    update = bcoo.rows_to_bcoo(bcoo.CoalescedRows(result.rows, result.delta), layout)
+    return (update.data, update.indices), result.tables
+
+  if not sharding.explicit_axes():
+    (data, indices), new_tables = run(grad.data, grad.indices, tables, new_step, hyper, opaque_zero)
+  else:
+    # Arrays reach the auto-axes region as arguments, not closures: a
+    # closed-over value typed on the Explicit mesh would not match the region's
+    # Auto mesh. Python floats stay closed over: constants, exact until used.
+    leaves, treedef = jax.tree.flatten(hyper)
+    traced = [i for i, leaf in enumerate(leaves) if isinstance(leaf, jax.Array)]
+
+    def run_arrays(grad_data, grad_indices, tables, new_step, arrays, opaque_zero):
+      full = list(leaves)
+      for i, array in zip(traced, arrays, strict=True):
+        full[i] = array
+      hyper = jax.tree.unflatten(treedef, full)
+      return run(grad_data, grad_indices, tables, new_step, hyper, opaque_zero)
+
+    replicated = PartitionSpec()
+    table_specs = jax.tree_util.tree_map(sharding.spec_of, tables._replace(param=None))
+    (data, indices), new_tables = sharding.call_with_auto_axes(
+      run_arrays,
+      (grad.data, grad.indices, tables, new_step, [leaves[i] for i in traced], opaque_zero),
+      ((replicated, replicated), table_specs),
+    )
+  indices_sorted, unique_indices = update_flags
+  update = sparse.BCOO(
+    (data, indices),
+    shape=grad.shape,
+    indices_sorted=indices_sorted,
+    unique_indices=unique_indices,
+  )
+  return LeafStep(update, new_step, new_tables)
+
+
+def _param_shape(tables: Tables, rule: RowRule) -> tuple[int, ...]:
+  """The parameter's shape, read from the rule's first full-width slot."""
+  for slot in rule.slots():
+    if not slot.per_row:
+      return tuple(tables.slots[slot.name].shape)
+  if tables.param is None:
+    raise ValueError(f"rule {rule.name!r} keeps no full-width slot: pass the parameter")
+  return tuple(jnp.shape(tables.param))
+
+
+def _check_tables(tables: Tables, layout: bcoo.RowLayout, config: StepConfig, path: tuple) -> None:
+  """Refuses a step that lacks the parameter for weight decay, or has row steps of another size."""
+  if config.weight_decay != "none" and tables.param is None:
+    raise ValueError(
+      f"Parameter at {path_str(path)} is needed for weight decay: pass params "
+      "to update(grads, state, params)."
+    )
+  row_step = tables.row_step
+  if row_step is not None and row_step.shape != (layout.num_rows,):
+    raise ValueError(
+      f"Sparse gradient at {path_str(path)} indexes {layout.num_rows} rows "
+      f"(sparse dims {layout.sparse_shape}) but per-row bias correction keeps "
+      f"{row_step.shape[0]} row steps, one per index of the leading dim. Use "
+      "n_sparse=1 gradients (bcoo_update_layout(grad, n_dense=ndim - 1))."
+    )
+
+
+def scatter_add_bcoo(param: jax.Array, update: sparse.BCOO, path: Sequence[Any] = ()) -> jax.Array:
+  """`param + update` for a BCOO update, by scatter-add: never densifies the update.
+
+  Repeated indices add up; out-of-range indices are dropped (BCOO padding).
+  The result has `param`'s sharding.
+  """
+  layout = bcoo.row_layout(update, param.shape, path, what="update")
+
+  def scatter_add(param, update):
+    rows = bcoo.linear_rows(update.indices, layout)
+    return dispatch.scatter_add(
+      param,
+      rows,
+      update.data,
+      layout=layout,
+      rows_unique=update.unique_indices,
+      rows_sorted=update.indices_sorted,
+    )
+
+  return sharding.call_with_auto_axes(scatter_add, (param, update), sharding.spec_of(param))
