@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeAlias
 
 import jax
 import jax.numpy as jnp
@@ -15,7 +15,7 @@ from optax_sparse_adam._core.errors import describe, flatten_grads, leaves_up_to
 from optax_sparse_adam._core.hyperparams import check_hyperparams, moment_dtype
 from optax_sparse_adam._optax import leaf
 
-ScalarOrSchedule = float | jax.Array | optax.Schedule
+ScalarOrSchedule: TypeAlias = float | jax.Array | optax.Schedule
 
 
 class SparseAdamState(NamedTuple):
@@ -32,7 +32,8 @@ class SparseAdamState(NamedTuple):
       `per_row_bias_correction=True`, else None.
   """
 
-  count: jax.Array
+  # `count` shadows tuple.count, as in optax's states (ScaleByAdamState.count).
+  count: jax.Array  # type: ignore[assignment]
   step: optax.Updates
   mu: optax.Updates
   nu: optax.Updates
@@ -179,7 +180,8 @@ def _scale_by_sparse_adam(options: SparseAdamOptions) -> optax.GradientTransform
     # adding it, as torch does, instead of XLA contracting the pair into an FMA.
     opaque_zero = jnp.minimum(state.count, 0)
     hyper = adam.hyperparams_of(adam.adam_coefficients(lr, b1, b2, eps, weight_decay))
-    new_updates, new_states = [], []
+    new_updates: list[sparse.BCOO | None] = []
+    new_states: list[LeafState] = []
     for (path, grad), leaf_state, param in zip(grads_with_path, states, param_leaves, strict=True):
       if grad is None:
         new_updates.append(None)
@@ -200,6 +202,7 @@ def _scale_by_sparse_adam(options: SparseAdamOptions) -> optax.GradientTransform
         # optax.apply_if_finite need both branches to match.
         update_flags=(grad.indices_sorted, grad.unique_indices),
       )
+      assert step.step is not None  # given a step, it returns one
       new_updates.append(step.update)
       new_states.append(_leaf_state(step.step, step.tables))
 

@@ -246,7 +246,10 @@ def fused_adam(
   call = jax.ffi.ffi_call(
     _FUSED_ADAM, out_types, input_output_aliases={2: 2, 3: 3}, vmap_method=_VMAP_METHOD
   )
-  return call(rows, values, mu, nu, coefficients, num_rows=num_rows, maximize=maximize)
+  distinct_rows, delta, mu, nu = call(
+    rows, values, mu, nu, coefficients, num_rows=num_rows, maximize=maximize
+  )
+  return distinct_rows, delta, mu, nu
 
 
 # The rules with a fused kernel, by `RowRule.name`.
