@@ -131,7 +131,7 @@ def _init_state(
   replicated = sharding.replicated_like(*(leaf for _, leaf in leaves_with_path))
   return SparseAdamState(
     count=jnp.zeros([], jnp.int32, device=replicated),
-    param_steps=jnp.zeros([len(states)], jnp.int32, device=replicated),
+    param_steps=jnp.zeros([len(states)], jnp.int32, device=sharding.replicated_vector(replicated)),
     mu=field("mu"),
     nu=field("nu"),
     nu_max=field("nu_max", amsgrad),
@@ -289,15 +289,15 @@ def _scale_by_sparse_adam(
         return None
       return treedef.unflatten([getattr(s, name) for s in new_states])
 
-    # The parameters stepped now advance by one (saturating, as each leaf's step
-    # does); elementwise on the vector, so it keeps its sharding.
+    # The parameters stepped now advance by one (saturating, as each leaf's step does).
     stepped = np.zeros(state.param_steps.shape, bool)
     for (_, grad), index in zip(grads_with_path, indices, strict=True):
       if grad is not None and index is not None:
         stepped[index] = True
+    param_steps = jnp.where(stepped, optax.safe_increment(state.param_steps), state.param_steps)
     new_state = SparseAdamState(
       count=optax.safe_increment(state.count),
-      param_steps=jnp.where(stepped, optax.safe_increment(state.param_steps), state.param_steps),
+      param_steps=param_steps,
       mu=field("mu", state.mu),
       nu=field("nu", state.nu),
       nu_max=field("nu_max", state.nu_max),
