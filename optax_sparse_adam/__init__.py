@@ -55,20 +55,10 @@ __all__ = (
 # The Flax glue's public names (`optax_sparse_adam.flax.__all__`, which a test checks this equals),
 # served from here on first use: flax is an optional extra, so importing this package must not
 # import it. They are not in `__all__`, so `from optax_sparse_adam import *` does not either.
-_FLAX_NAMES = (
-  "LinenSparseEmbed",
-  "LinenSparseEmbedBag",
-  "SparseEmbed",
-  "SparseEmbedBag",
-  "SparseOptimizer",
-  "SparseTable",
-  "SparseTableBox",
-  "SparseTrainState",
-  "embedding_bag_lookup",
-  "embedding_lookup",
-  "sparse_grad",
-  "sparse_value_and_grad",
-  "table_labels",
+_FLAX_NAMES = tuple(
+  "LinenSparseEmbed LinenSparseEmbedBag SparseEmbed SparseEmbedBag SparseOptimizer SparseTable "
+  "SparseTableBox SparseTrainState embedding_bag_lookup embedding_lookup sparse_grad "
+  "sparse_value_and_grad table_labels".split()
 )
 
 

@@ -181,12 +181,8 @@ def lift_to_bcoo(inner: optax.GradientTransformation) -> optax.GradientTransform
       )
     return inner.init(params)
 
-  def update_fn(
-    updates: optax.Updates,
-    state: optax.OptState,
-    params: optax.Params | None = None,
-    **extra_args: Any,
-  ) -> tuple[optax.Updates, optax.OptState]:
+  # Unannotated, as optax's own update functions: the returned transformation is the typed API.
+  def update_fn(updates, state, params=None, **extra_args):
     lifted = _lift(updates, params, who)
     values = lifted.treedef.unflatten(lifted.values)
     inner_params = None if params is None else lifted.treedef.unflatten(lifted.params)
@@ -312,12 +308,7 @@ def sparse_apply_if_finite(
       inner_state=inner.init(params),
     )
 
-  def update_fn(
-    updates: optax.Updates,
-    state: optax.ApplyIfFiniteState,
-    params: optax.Params | None = None,
-    **extra_args: Any,
-  ) -> tuple[optax.Updates, optax.ApplyIfFiniteState]:
+  def update_fn(updates, state, params=None, **extra_args):
     is_finite = _all_finite(updates, params, who)
     notfinite_count = jnp.where(
       is_finite, jnp.zeros([], jnp.int32), optax.safe_increment(state.notfinite_count)
