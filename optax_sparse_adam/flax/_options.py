@@ -1,4 +1,4 @@
-"""torch's `nn.Embedding` options as pure functions: padding_idx, max_norm, scale_grad_by_freq.
+"""torch's `nn.Embedding` options: one checked value (`TableOptions`) and pure functions.
 
 The modules (`SparseEmbed`, `LinenSparseEmbed`, the bags) compose these with
 `embedding_lookup`, so the BCOO gradients come from the one mechanism in
@@ -51,8 +51,8 @@ def check_max_norm(max_norm: float | None, norm_type: float, owner: str) -> None
 class TableOptions:
   """The options a table module shares with torch's `nn.Embedding`, checked.
 
-  Built once from a module's public keywords (`checked`), then passed whole to
-  what makes, renormalises and looks up the table.
+  Built once from a module's public keywords or fields (`checked`) and passed
+  whole between the modules; the table is made from it (`initial_table`).
 
   Attributes:
     num_embeddings: number of rows `V`.
