@@ -13,7 +13,13 @@ from jax.experimental import sparse
 
 from optax_sparse_adam._core import adam, bcoo, rules, sharding
 from optax_sparse_adam._core.adam import AdamRule, LeafState
-from optax_sparse_adam._core.errors import describe, flatten_grads, leaves_up_to, path_str
+from optax_sparse_adam._core.errors import (
+  describe,
+  flatten_grads,
+  flatten_up_to,
+  leaves_up_to,
+  path_str,
+)
 from optax_sparse_adam._core.hyperparams import check_hyperparams, moment_dtype
 from optax_sparse_adam._optax import leaf
 
@@ -55,7 +61,7 @@ class SparseAdamState(NamedTuple):
   def step(self) -> optax.Updates:
     """`param_steps` as a tree like the params: each parameter's step count, a scalar."""
     leaves, treedef = jax.tree.flatten(self.mu)
-    return treedef.unflatten([self.param_steps[i] for i in range(len(leaves))])
+    return jax.tree.unflatten(treedef, [self.param_steps[i] for i in range(len(leaves))])
 
   @classmethod
   def from_step_tree(cls, old: Any) -> SparseAdamState:
@@ -84,13 +90,14 @@ class SparseAdamState(NamedTuple):
 
     mu = get("mu")
     treedef = jax.tree.structure(mu)
-    try:
-      steps = treedef.flatten_up_to(get("step"))
-    except (ValueError, TypeError) as err:
-      raise ValueError(
+    steps = flatten_up_to(
+      treedef,
+      get("step"),
+      lambda: (
         f"from_step_tree: the old state's step must be a tree like its mu ({treedef}), "
         f"got {get('step')!r}."
-      ) from err
+      ),
+    )
     return cls(
       count=jnp.asarray(get("count"), jnp.int32),
       param_steps=jnp.asarray(np.array(steps, np.int64).reshape(-1), jnp.int32),
@@ -159,7 +166,7 @@ def _leaf_state(step: jax.Array, tables: rules.Tables) -> LeafState:
 
 def _param_indices(treedef: Any, paths: list[Any], state: SparseAdamState) -> list[int | None]:
   """Per gradient leaf, its parameter's position in `state.param_steps` (None: no parameter)."""
-  num_params = jax.tree.structure(state.mu).num_leaves
+  num_params = len(jax.tree.leaves(state.mu))
   steps_shape = getattr(state.param_steps, "shape", None)
   if steps_shape is None or tuple(steps_shape) != (num_params,):
     raise ValueError(
@@ -168,20 +175,23 @@ def _param_indices(treedef: Any, paths: list[Any], state: SparseAdamState) -> li
       "count per parameter. A SparseAdamState whose step counts are a tree like the "
       "params (the layout of 0.1.0) converts with SparseAdamState.from_step_tree."
     )
-  indices = jax.tree.structure(state.mu).unflatten(range(num_params))
+  indices = jax.tree.unflatten(jax.tree.structure(state.mu), range(num_params))
   return leaves_up_to(treedef, indices, "optimizer state", paths)
 
 
 def _leaf_states(
   treedef: Any, paths: list[Any], state: SparseAdamState, indices: list[int | None]
 ) -> list[LeafState]:
-  """One `LeafState` per gradient leaf, read from the state's fields."""
+  """One `LeafState` per gradient leaf (None where the gradient has no parameter)."""
   step = [None if i is None else state.param_steps[i] for i in indices]
   mu = leaves_up_to(treedef, state.mu, "optimizer state", paths)
   nu = leaves_up_to(treedef, state.nu, "optimizer state", paths)
   nu_max = leaves_up_to(treedef, state.nu_max, "optimizer state", paths)
   row_step = leaves_up_to(treedef, state.row_step, "optimizer state", paths)
-  return [LeafState(*fields) for fields in zip(step, mu, nu, nu_max, row_step, strict=True)]
+  return [
+    LeafState(*fields)  # type: ignore[arg-type]  # step is None only where grad is
+    for fields in zip(step, mu, nu, nu_max, row_step, strict=True)
+  ]
 
 
 def _check_grads(
