@@ -445,9 +445,8 @@ def sparse_adamw(
     nu_dtype: dtype of the second moment; default the parameter's.
 
   Returns:
-    An `optax.GradientTransformationExtraArgs` whose state is a `SparseAdamState`;
-    `update` ignores keyword arguments it does not use (such as `value=` for a
-    later `optax.contrib.reduce_on_plateau`), as optax's optimizers do.
+    As `sparse_adam`: an `optax.GradientTransformationExtraArgs` (extra keyword
+    arguments of `update` are ignored) whose state is a `SparseAdamState`.
 
   Example:
     >>> import jax.numpy as jnp
