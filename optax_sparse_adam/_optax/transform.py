@@ -13,6 +13,7 @@ from optax_sparse_adam._core import adam, bcoo, rules, sharding
 from optax_sparse_adam._core.adam import AdamRule, LeafState
 from optax_sparse_adam._core.errors import describe, flatten_grads, leaves_up_to, path_str
 from optax_sparse_adam._core.hyperparams import check_hyperparams, moment_dtype
+from optax_sparse_adam._core.rowwise_adam import RowwiseAdamRule
 from optax_sparse_adam._optax import leaf
 
 ScalarOrSchedule = float | jax.Array | optax.Schedule
@@ -26,8 +27,10 @@ class SparseAdamState(NamedTuple):
     step: per parameter, int32 number of steps it has taken (torch's
       `state['step']`); a parameter whose gradient is None does not advance.
     mu: per parameter, the first moment (torch's `exp_avg`).
-    nu: per parameter, the second moment (torch's `exp_avg_sq`).
-    nu_max: per parameter, the running max of `nu` with `amsgrad=True`, else None.
+    nu: per parameter, the second moment (torch's `exp_avg_sq`); with
+      `rowwise_second_moment=True`, one value per row, shape `(num_rows,)`.
+    nu_max: per parameter, the running max of `nu` (of `nu`'s shape) with
+      `amsgrad=True`, else None.
     row_step: per parameter, int32 steps of each row with
       `per_row_bias_correction=True`, else None.
   """
@@ -54,9 +57,12 @@ class SparseAdamOptions(NamedTuple):
   per_row_bias_correction: bool
   mu_dtype: Any
   nu_dtype: Any
+  rowwise_second_moment: bool = False
 
   @property
-  def rule(self) -> AdamRule:
+  def rule(self) -> AdamRule | RowwiseAdamRule:
+    if self.rowwise_second_moment:
+      return RowwiseAdamRule(amsgrad=self.amsgrad)
     return AdamRule(amsgrad=self.amsgrad)
 
 
@@ -233,6 +239,7 @@ def sparse_adam(
   per_row_bias_correction: bool = False,
   mu_dtype: Any = None,
   nu_dtype: Any = None,
+  rowwise_second_moment: bool = False,
 ) -> optax.GradientTransformation:
   r"""Masked Adam for BCOO gradients, with the numerics of `torch.optim.SparseAdam`.
 
@@ -281,6 +288,14 @@ def sparse_adam(
       costs one int32 per row of state.
     mu_dtype: dtype of the first moment; default the parameter's.
     nu_dtype: dtype of the second moment; default the parameter's.
+    rowwise_second_moment: keep one second moment per row (FBGEMM's
+      PARTIAL_ROWWISE_ADAM, `RowwiseAdamRule`): :math:`v_r \leftarrow v_r +
+      (1 - \beta_2)(\mathrm{mean}(g_r^2) - v_r)` over the row's values, and
+      :math:`u_r = -\alpha \hat m_r / (\sqrt{\hat v_r} + \epsilon)` with both
+      moments bias-corrected (:math:`\epsilon` outside the corrected root, as in
+      FBGEMM and `optax.adam`). The state's `nu` is then `(num_rows,)`: about
+      half the memory of full Adam. Gradients must index rows by the leading
+      dim only (`n_sparse=1`). Not torch's SparseAdam: off by default.
 
   Returns:
     An `optax.GradientTransformation` whose state is a `SparseAdamState`.
@@ -319,6 +334,7 @@ def sparse_adamw(
   per_row_bias_correction: bool = False,
   mu_dtype: Any = None,
   nu_dtype: Any = None,
+  rowwise_second_moment: bool = False,
 ) -> optax.GradientTransformation:
   r"""`sparse_adam` with decoupled weight decay, applied to the touched rows only.
 
@@ -340,6 +356,9 @@ def sparse_adamw(
     per_row_bias_correction: per-row step counts for the bias correction.
     mu_dtype: dtype of the first moment; default the parameter's.
     nu_dtype: dtype of the second moment; default the parameter's.
+    rowwise_second_moment: one second moment per row, as in `sparse_adam`;
+      with it, `sparse_adamw` is FBGEMM's PARTIAL_ROWWISE_ADAM with its weight
+      decay.
 
   Returns:
     An `optax.GradientTransformation` whose state is a `SparseAdamState`.

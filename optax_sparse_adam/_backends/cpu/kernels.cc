@@ -1,14 +1,16 @@
-// Fused CPU kernels of the masked Adam step, called from XLA through its FFI.
+// Fused CPU kernels of the masked step, called from XLA through its FFI: one
+// variant per row rule that has one (Adam, row-wise Adam), and the scatter-add.
 //
 // XLA:CPU emits gathers and scatters as element-by-element loops, and a masked
 // step needs seven of them over the touched rows. These kernels do the same
 // work in one pass per table: coalesce the gradient's row ids (a stable radix
-// sort), then for each distinct row read m and v once, update them in place and
-// write the parameter delta. The arithmetic is `AdamRule.update` in _core/adam.py,
-// operation for operation: every product and sum is rounded on its own
-// (compiled with -ffp-contract=off, so no FMA), square root and division are
-// IEEE, and duplicate entries are summed in input order starting from +0.0, as
-// XLA's scatter-add does. Tests check the two paths agree bit for bit.
+// sort), then for each distinct row read its state once, update it in place and
+// write the parameter delta. The arithmetic is the rule's `update` (`AdamRule`
+// in _core/adam.py, `RowwiseAdamRule` in _core/rowwise_adam.py), operation for
+// operation: every product and sum is rounded on its own (compiled with
+// -ffp-contract=off, so no FMA), square root and division are IEEE, and
+// duplicate entries are summed in input order starting from +0.0, as XLA's
+// scatter-add does. Tests check the two paths agree bit for bit.
 
 #include <algorithm>
 #include <atomic>
@@ -157,13 +159,58 @@ int64_t RowSize(const ffi::Buffer<ffi::F32>& table, int64_t num_rows) {
   return count / num_rows;
 }
 
+// Coalesces a gradient's rows and runs `update(row, g)` on each distinct row.
+//
+// `g` is the row's summed gradient, written into the delta output (the update
+// turns it into the row's delta). Distinct rows are disjoint, so chunks of them
+// run in parallel. `prefetch(row)` is called a few rows ahead of each update.
+// Outputs: the distinct rows in ascending order then num_rows + slot for
+// padding slots; the deltas of those rows (zero in padding).
+template <typename Prefetch, typename Update>
+void CoalescedRowsStep(const int32_t* rows, int64_t nse, const float* values, int64_t num_rows,
+                       int64_t row_size, ffi::ThreadPool& pool, int32_t* out_rows, float* out,
+                       Prefetch prefetch, Update update) {
+  std::vector<uint32_t> sorted_rows, position;
+  const int64_t n = SortRows(rows, nse, num_rows, sorted_rows, position);
+  // Start of each run of equal rows, and the run's row.
+  std::vector<int64_t> starts;
+  starts.reserve(n + 1);
+  for (int64_t i = 0; i < n; ++i) {
+    if (i == 0 || sorted_rows[i] != sorted_rows[i - 1]) starts.push_back(i);
+  }
+  const int64_t num_unique = static_cast<int64_t>(starts.size());
+  starts.push_back(n);
+
+  const int64_t num_chunks = std::max<int64_t>(
+      1, std::min<int64_t>(num_unique, kChunksPerThread * (pool.num_threads() + 1)));
+  auto run_chunk = [&](int64_t chunk) {
+    const int64_t begin = num_unique * chunk / num_chunks;
+    const int64_t end = num_unique * (chunk + 1) / num_chunks;
+    for (int64_t s = begin; s < end; ++s) {
+      if (s + kPrefetchRows < end) prefetch(sorted_rows[starts[s + kPrefetchRows]]);
+      const int64_t row = sorted_rows[starts[s]];
+      out_rows[s] = static_cast<int32_t>(row);
+      float* g = out + s * row_size;
+      std::memset(g, 0, sizeof(float) * row_size);
+      for (int64_t e = starts[s]; e < starts[s + 1]; ++e) {
+        AddRow(g, values + static_cast<int64_t>(position[e]) * row_size, row_size);
+      }
+      update(row, g);
+    }
+  };
+  ParallelFor(pool, num_chunks, num_unique * row_size, run_chunk);
+  for (int64_t s = num_unique; s < nse; ++s) {
+    out_rows[s] = static_cast<int32_t>(num_rows + s);
+    std::memset(out + s * row_size, 0, sizeof(float) * row_size);
+  }
+}
+
 // Tables come in their own shapes (a reshape would make XLA copy an aliased
 // operand) and are viewed as `num_rows` rows of `row_size` contiguous values.
 // Inputs: rows int32 (nse,), values f32 (nse, ...) of nse * row_size values,
 // mu and nu f32 tables, coeffs f32 (4,) = (1 - b1, 1 - b2, eps, step_size).
-// Outputs: the distinct rows in ascending order then num_rows + slot for
-// padding slots; the deltas of those rows (zero in padding); mu and nu, updated
-// in the touched rows (aliased to the inputs, so in place when donated).
+// Outputs: as `CoalescedRowsStep`; mu and nu, updated in the touched rows
+// (aliased to the inputs, so in place when donated).
 ffi::Error FusedAdamImpl(ffi::Buffer<ffi::S32> rows, ffi::Buffer<ffi::F32> values,
                         ffi::Buffer<ffi::F32> mu, ffi::Buffer<ffi::F32> nu,
                         ffi::Buffer<ffi::F32> coeffs, int64_t num_rows, bool maximize,
@@ -187,49 +234,96 @@ ffi::Error FusedAdamImpl(ffi::Buffer<ffi::S32> rows, ffi::Buffer<ffi::F32> value
   if (v != nu.typed_data()) std::memcpy(v, nu.typed_data(), nu.size_bytes());
   const float* c = coeffs.typed_data();
   const float neg_step_size = -c[3];
-  const float* val = values.typed_data();
-  int32_t* out_rows = distinct_rows->typed_data();
-  float* out = delta->typed_data();
+  CoalescedRowsStep(
+      rows.typed_data(), nse, values.typed_data(), num_rows, row_size, pool,
+      distinct_rows->typed_data(), delta->typed_data(),
+      [&](int64_t row) {
+        PrefetchRow(m + row * row_size, row_size);
+        PrefetchRow(v + row * row_size, row_size);
+      },
+      [&](int64_t row, float* g) {
+        AdamRow(g, m + row * row_size, v + row * row_size, row_size, maximize, c[0], c[1], c[2],
+                neg_step_size);
+      });
+  return ffi::Error::Success();
+}
 
-  std::vector<uint32_t> sorted_rows, position;
-  const int64_t n = SortRows(rows.typed_data(), nse, num_rows, sorted_rows, position);
-  // Start of each run of equal rows, and the run's row.
-  std::vector<int64_t> starts;
-  starts.reserve(n + 1);
-  for (int64_t i = 0; i < n; ++i) {
-    if (i == 0 || sorted_rows[i] != sorted_rows[i - 1]) starts.push_back(i);
+// The sum of a row's `row_size` values in `scratch`, added pairwise in
+// `rowwise_adam.pairwise_row_sum`'s order: halves added until one value is
+// left, an odd last value carried along. Overwrites `scratch`.
+float PairwiseSum(float* scratch, int64_t row_size) {
+  if (row_size == 0) return 0.0f;
+  int64_t width = row_size;
+  while (width > 1) {
+    const int64_t half = width / 2;
+    for (int64_t i = 0; i < half; ++i) scratch[i] = scratch[i] + scratch[half + i];
+    if (width % 2) scratch[half] = scratch[2 * half];
+    width = half + width % 2;
   }
-  const int64_t num_unique = static_cast<int64_t>(starts.size());
-  starts.push_back(n);
+  return scratch[0];
+}
 
-  // Distinct rows are disjoint: chunks of them update m, v and delta independently.
-  const int64_t num_chunks = std::max<int64_t>(
-      1, std::min<int64_t>(num_unique, kChunksPerThread * (pool.num_threads() + 1)));
-  auto run_chunk = [&](int64_t chunk) {
-    const int64_t begin = num_unique * chunk / num_chunks;
-    const int64_t end = num_unique * (chunk + 1) / num_chunks;
-    for (int64_t s = begin; s < end; ++s) {
-      if (s + kPrefetchRows < end) {
-        const int64_t ahead = sorted_rows[starts[s + kPrefetchRows]];
-        PrefetchRow(m + ahead * row_size, row_size);
-        PrefetchRow(v + ahead * row_size, row_size);
-      }
-      const int64_t row = sorted_rows[starts[s]];
-      out_rows[s] = static_cast<int32_t>(row);
-      float* g = out + s * row_size;
-      std::memset(g, 0, sizeof(float) * row_size);
-      for (int64_t e = starts[s]; e < starts[s + 1]; ++e) {
-        AddRow(g, val + static_cast<int64_t>(position[e]) * row_size, row_size);
-      }
-      AdamRow(g, m + row * row_size, v + row * row_size, row_size, maximize, c[0], c[1], c[2],
-              neg_step_size);
-    }
-  };
-  ParallelFor(pool, num_chunks, num_unique * row_size, run_chunk);
-  for (int64_t s = num_unique; s < nse; ++s) {
-    out_rows[s] = static_cast<int32_t>(num_rows + s);
-    std::memset(out + s * row_size, 0, sizeof(float) * row_size);
+// The row-wise Adam arithmetic of one row, in RowwiseAdamRule.update's order:
+// `v` is the row's one second-moment value.
+OSA_MULTIVERSIONED void RowwiseAdamRow(
+    float* __restrict__ g, float* __restrict__ m, float* __restrict__ v,
+    float* __restrict__ scratch, int64_t row_size, bool maximize, float one_minus_b1,
+    float one_minus_b2, float eps, float lr_over_bc1, float inv_bc2, float inv_row_size) {
+  for (int64_t j = 0; j < row_size; ++j) {
+    const float gj = maximize ? -g[j] : g[j];  // a negation, as in XLA: NaNs flip sign too
+    g[j] = gj;
+    scratch[j] = gj * gj;
   }
+  const float mean_square = PairwiseSum(scratch, row_size) * inv_row_size;
+  const float v_new = *v + (mean_square - *v) * one_minus_b2;
+  *v = v_new;
+  const float neg_rate = -(lr_over_bc1 / (std::sqrt(v_new * inv_bc2) + eps));
+  for (int64_t j = 0; j < row_size; ++j) {
+    const float mj = m[j];
+    const float m_new = mj + (g[j] - mj) * one_minus_b1;
+    m[j] = m_new;
+    g[j] = neg_rate * m_new;
+  }
+}
+
+// The row-wise Adam step: as FusedAdamImpl, with `nu` holding one value per
+// row (f32 (num_rows,)) and coeffs f32 (6,) = (1 - b1, 1 - b2, eps,
+// lr / (1 - b1^t), 1 / (1 - b2^t), 1 / row_size).
+ffi::Error FusedRowwiseAdamImpl(ffi::Buffer<ffi::S32> rows, ffi::Buffer<ffi::F32> values,
+                                ffi::Buffer<ffi::F32> mu, ffi::Buffer<ffi::F32> nu,
+                                ffi::Buffer<ffi::F32> coeffs, int64_t num_rows, bool maximize,
+                                ffi::ThreadPool pool, ffi::ResultBuffer<ffi::S32> distinct_rows,
+                                ffi::ResultBuffer<ffi::F32> delta,
+                                ffi::ResultBuffer<ffi::F32> mu_out,
+                                ffi::ResultBuffer<ffi::F32> nu_out) {
+  const int64_t nse = static_cast<int64_t>(rows.element_count());
+  const int64_t row_size = RowSize(mu, num_rows);
+  if (row_size < 0 || static_cast<int64_t>(nu.element_count()) != num_rows) {
+    return ffi::Error::InvalidArgument("mu must hold num_rows rows and nu num_rows values");
+  }
+  if (static_cast<int64_t>(values.element_count()) != nse * row_size) {
+    return ffi::Error::InvalidArgument("values must hold nse rows of the tables' row size");
+  }
+  if (coeffs.element_count() != 6) return ffi::Error::InvalidArgument("coeffs must be (6,)");
+
+  float* m = mu_out->typed_data();
+  float* v = nu_out->typed_data();
+  if (m != mu.typed_data()) std::memcpy(m, mu.typed_data(), mu.size_bytes());
+  if (v != nu.typed_data()) std::memcpy(v, nu.typed_data(), nu.size_bytes());
+  const float* c = coeffs.typed_data();
+  CoalescedRowsStep(
+      rows.typed_data(), nse, values.typed_data(), num_rows, row_size, pool,
+      distinct_rows->typed_data(), delta->typed_data(),
+      [&](int64_t row) {
+        PrefetchRow(m + row * row_size, row_size);
+        __builtin_prefetch(v + row, 1);
+      },
+      [&](int64_t row, float* g) {
+        thread_local std::vector<float> scratch;
+        if (static_cast<int64_t>(scratch.size()) < row_size) scratch.resize(row_size);
+        RowwiseAdamRow(g, m + row * row_size, v + row, scratch.data(), row_size, maximize, c[0],
+                       c[1], c[2], c[3], c[4], c[5]);
+      });
   return ffi::Error::Success();
 }
 
@@ -287,6 +381,21 @@ ffi::Error ScatterAddRowsImpl(ffi::Buffer<ffi::F32> param, ffi::Buffer<ffi::S32>
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(OsaFusedAdamF32, FusedAdamImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("num_rows")
+                                  .Attr<bool>("maximize")
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(OsaFusedRowwiseAdamF32, FusedRowwiseAdamImpl,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()

@@ -4,9 +4,9 @@ XLA:CPU runs gathers and scatters element by element; these XLA FFI kernels do
 a step's coalescing, slot updates and parameter scatter-add in one pass per
 table instead. A rule with a kernel variant is listed in `_VARIANTS` by its
 name; the variant computes what `xla.masked_step` computes with that rule, bit
-for bit. The Adam variant is used only where it applies: on the CPU, float32
-gradient, moments and parameter, with no amsgrad, weight decay or per-row bias
-correction, and arrays
+for bit. The Adam and row-wise Adam variants are used only where they apply: on
+the CPU, float32 gradient, moments and parameter, with no amsgrad, weight decay
+or per-row bias correction, and arrays
 known to be on one device (XLA cannot partition a custom call: it would gather
 a sharded table onto every device, so possibly sharded tables keep the XLA
 path). Everything else runs XLA ops; `lax.platform_dependent` picks per backend
@@ -35,9 +35,15 @@ from optax_sparse_adam._backends import choice
 from optax_sparse_adam._core import sharding
 from optax_sparse_adam._core.adam import AdamRule
 from optax_sparse_adam._core.bcoo import RowLayout
+from optax_sparse_adam._core.rowwise_adam import (
+  RowwiseAdamRule,
+  bias_corrections,
+  inverse_row_size,
+)
 from optax_sparse_adam._core.rules import RowsStep, StepInputs, StepPlan, Tables
 
 _FUSED_ADAM = "optax_sparse_adam_fused_adam_f32"
+_FUSED_ROWWISE_ADAM = "optax_sparse_adam_fused_rowwise_adam_f32"
 _SCATTER_ADD_ROWS = "optax_sparse_adam_scatter_add_rows_f32"
 # Under jax.vmap a kernel runs once per batch element (a loop around the call).
 _VMAP_METHOD = "sequential"
@@ -75,6 +81,9 @@ def available() -> bool:
     library = ctypes.CDLL(str(path))
     jax.ffi.register_ffi_target(
       _FUSED_ADAM, jax.ffi.pycapsule(library.OsaFusedAdamF32), platform="cpu"
+    )
+    jax.ffi.register_ffi_target(
+      _FUSED_ROWWISE_ADAM, jax.ffi.pycapsule(library.OsaFusedRowwiseAdamF32), platform="cpu"
     )
     jax.ffi.register_ffi_target(
       _SCATTER_ADD_ROWS, jax.ffi.pycapsule(library.OsaScatterAddRowsF32), platform="cpu"
@@ -169,13 +178,11 @@ def use_cpu_kernels(enable: bool) -> Iterator[None]:
     yield
 
 
-def _adam_applies(inputs: StepInputs, plan: StepPlan) -> bool:
-  """Float32 Adam with no amsgrad, weight decay or per-row steps."""
-  rule, tables = plan.rule, inputs.tables
+def _plain_step_applies(inputs: StepInputs, plan: StepPlan) -> bool:
+  """Float32 `mu` and `nu`, and no weight decay or per-row steps."""
+  tables = inputs.tables
   return (
-    isinstance(rule, AdamRule)
-    and not rule.amsgrad
-    and tables.row_step is None
+    tables.row_step is None
     and plan.config.weight_decay == "none"
     and _applies(
       (inputs.values, tables.slots["mu"], tables.slots["nu"]),
@@ -184,6 +191,11 @@ def _adam_applies(inputs: StepInputs, plan: StepPlan) -> bool:
       row_size=math.prod(plan.layout.dense_shape),
     )
   )
+
+
+def _adam_applies(inputs: StepInputs, plan: StepPlan) -> bool:
+  rule = plan.rule
+  return isinstance(rule, AdamRule) and not rule.amsgrad and _plain_step_applies(inputs, plan)
 
 
 def _adam_step(inputs: StepInputs, plan: StepPlan) -> RowsStep:
@@ -199,6 +211,42 @@ def _adam_step(inputs: StepInputs, plan: StepPlan) -> RowsStep:
     ]
   )
   distinct_rows, delta, mu, nu = fused_adam(
+    inputs.rows,
+    inputs.values,
+    inputs.tables.slots["mu"],
+    inputs.tables.slots["nu"],
+    coefficients,
+    num_rows=plan.layout.num_rows,
+    maximize=plan.config.maximize,
+  )
+  return RowsStep(distinct_rows, delta, Tables({"mu": mu, "nu": nu}))
+
+
+def _rowwise_adam_applies(inputs: StepInputs, plan: StepPlan) -> bool:
+  rule = plan.rule
+  return (
+    isinstance(rule, RowwiseAdamRule) and not rule.amsgrad and _plain_step_applies(inputs, plan)
+  )
+
+
+def _rowwise_adam_step(inputs: StepInputs, plan: StepPlan) -> RowsStep:
+  f32 = jnp.float32
+  hyper = inputs.hyper
+  assert inputs.step is not None  # the optax layer counts the steps of this rule
+  # The same function, so the same bits, as the rule's own bias corrections.
+  lr_over_bc1, inv_bc2 = bias_corrections(hyper, inputs.step, f32)
+  coefficients = jnp.stack(
+    [
+      jnp.asarray(hyper.one_minus_b1, f32),
+      jnp.asarray(hyper.one_minus_b2, f32),
+      jnp.asarray(hyper.eps, f32),
+      lr_over_bc1,
+      inv_bc2,
+      jnp.asarray(inverse_row_size(math.prod(plan.layout.dense_shape), f32)),
+    ]
+  )
+  distinct_rows, delta, mu, nu = _fused_call(
+    _FUSED_ROWWISE_ADAM,
     inputs.rows,
     inputs.values,
     inputs.tables.slots["mu"],
@@ -236,6 +284,23 @@ def fused_adam(
   Returns:
     `(rows, delta, mu, nu)`: distinct rows then padding, as `xla.masked_step` with `AdamRule()`.
   """
+  return _fused_call(
+    _FUSED_ADAM, rows, values, mu, nu, coefficients, num_rows=num_rows, maximize=maximize
+  )
+
+
+def _fused_call(
+  target: str,
+  rows: jax.Array,
+  values: jax.Array,
+  mu: jax.Array,
+  nu: jax.Array,
+  coefficients: jax.Array,
+  *,
+  num_rows: int,
+  maximize: bool,
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+  """The FFI call of a fused step whose state is `mu` and `nu`, updated in place."""
   nse = rows.shape[0]
   out_types = (
     jax.ShapeDtypeStruct((nse,), jnp.int32),
@@ -244,13 +309,16 @@ def fused_adam(
     jax.ShapeDtypeStruct(nu.shape, jnp.float32),
   )
   call = jax.ffi.ffi_call(
-    _FUSED_ADAM, out_types, input_output_aliases={2: 2, 3: 3}, vmap_method=_VMAP_METHOD
+    target, out_types, input_output_aliases={2: 2, 3: 3}, vmap_method=_VMAP_METHOD
   )
   return call(rows, values, mu, nu, coefficients, num_rows=num_rows, maximize=maximize)
 
 
 # The rules with a fused kernel, by `RowRule.name`.
-_VARIANTS: dict[str, KernelVariant] = {"adam": KernelVariant(_adam_applies, _adam_step)}
+_VARIANTS: dict[str, KernelVariant] = {
+  "adam": KernelVariant(_adam_applies, _adam_step),
+  "rowwise_adam": KernelVariant(_rowwise_adam_applies, _rowwise_adam_step),
+}
 
 
 def scatter_add_rows(
