@@ -52,6 +52,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from optax_sparse_adam._core.adam import AdamHyperparams, rounded
+from optax_sparse_adam._core.rounding import SlotStore, nearest_store
 from optax_sparse_adam._core.rules import Slot
 
 
@@ -127,6 +128,7 @@ class RowwiseAdamRule:
     *,
     compute_dtype: Any,
     opaque_zero: jax.Array | None,
+    store: SlotStore | None = None,
   ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """The moments and the parameter delta of `n` rows (see `rules.RowRule.update`).
 
@@ -139,11 +141,12 @@ class RowwiseAdamRule:
     def r(x):
       return rounded(x, opaque_zero)
 
+    store = store or nearest_store(slot_rows)
     n = grad.shape[0]
     mu_rows, nu_rows = slot_rows["mu"], slot_rows["nu"]
     g = grad.astype(compute_dtype)
     m = mu_rows.astype(compute_dtype)
-    mu_new = (m + r((g - m) * c(hyper.one_minus_b1))).astype(mu_rows.dtype)
+    mu_new = store("mu", m + r((g - m) * c(hyper.one_minus_b1)))
 
     row_size = math.prod(grad.shape[1:])
     squares = r(g * g).reshape(n, row_size)
@@ -153,7 +156,7 @@ class RowwiseAdamRule:
       # would cancel the first, two XORs with the same zero.)
       mean_square = r(mean_square * c(inverse_row_size(row_size, compute_dtype)))
     v = nu_rows.astype(compute_dtype)
-    nu_new = (v + r((mean_square - v) * c(hyper.one_minus_b2))).astype(nu_rows.dtype)
+    nu_new = store("nu", v + r((mean_square - v) * c(hyper.one_minus_b2)))
     new_rows = {"mu": mu_new, "nu": nu_new}
     second = nu_new
     if self.amsgrad:
@@ -163,10 +166,11 @@ class RowwiseAdamRule:
     step = jnp.asarray(step)
     per_row_step = step.reshape(n) if step.ndim else step
     lr_over_bc1, inv_bc2 = bias_corrections(hyper, per_row_step, compute_dtype)
-    # Each scalar rounded where it stands, as the kernel receives it: XLA would
-    # otherwise merge `(lr / bc1) / denom` into one division.
     denom = jnp.sqrt(second.astype(compute_dtype) * r(inv_bc2)) + c(hyper.eps)
-    rate = r(lr_over_bc1) / denom
-    rate = rate.reshape((n,) + (1,) * (grad.ndim - 1))
-    delta = r(-rate * mu_new.astype(compute_dtype))
+    # The sign goes on the numerator, and every scalar is rounded where it
+    # stands, as in the CPU kernel: XLA would otherwise merge the divisions, or
+    # move a negation across a product, which flips the sign of a NaN.
+    neg_rate = r(-r(lr_over_bc1)) / denom
+    neg_rate = neg_rate.reshape((n,) + (1,) * (grad.ndim - 1))
+    delta = r(r(neg_rate) * mu_new.astype(compute_dtype))
     return delta, new_rows

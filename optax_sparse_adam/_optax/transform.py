@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import optax
 from jax.experimental import sparse
 
-from optax_sparse_adam._core import adam, bcoo, rules, sharding
+from optax_sparse_adam._core import adam, bcoo, rounding, rules, sharding
 from optax_sparse_adam._core.adam import AdamRule, LeafState
 from optax_sparse_adam._core.errors import describe, flatten_grads, leaves_up_to, path_str
 from optax_sparse_adam._core.hyperparams import check_hyperparams, moment_dtype
@@ -58,6 +58,7 @@ class SparseAdamOptions(NamedTuple):
   mu_dtype: Any
   nu_dtype: Any
   rowwise_second_moment: bool = False
+  moment_rounding: str = "nearest"
 
   @property
   def rule(self) -> AdamRule | RowwiseAdamRule:
@@ -73,6 +74,15 @@ def _init_state(params: optax.Params, options: SparseAdamOptions) -> SparseAdamS
   states = []
   for path, param in leaves_with_path:
     bcoo.check_param_dtype(param, path)
+    if options.moment_rounding == "stochastic":
+      for name in ("mu", "nu"):
+        dtype = dtypes[name] or param.dtype
+        if not rounding.stochastic_supported(dtype):
+          raise ValueError(
+            f"moment_rounding='stochastic' rounds moments to bfloat16 only, but the "
+            f"{name} of the parameter at {path_str(path)} would be {jnp.dtype(dtype)}: "
+            f"set {name}_dtype=jnp.bfloat16 (or float32), or moment_rounding='nearest'."
+          )
     tables = rules.init_tables(
       options.rule, param, dtypes=dtypes, per_row_steps=options.per_row_bias_correction
     )
@@ -162,10 +172,12 @@ def _scale_by_sparse_adam(options: SparseAdamOptions) -> optax.GradientTransform
     mu_dtype=moment_dtype(options.mu_dtype, "mu_dtype"),
     nu_dtype=moment_dtype(options.nu_dtype, "nu_dtype"),
   )
+  rounding.check_rounding(options.moment_rounding)
   rule = options.rule
   config = rules.StepConfig(
     maximize=options.maximize,
     weight_decay=leaf.weight_decay_mode(weight_decay, decoupled=options.decoupled_weight_decay),
+    moment_rounding=options.moment_rounding,  # type: ignore[arg-type]  # checked above
   )
 
   def init_fn(params: optax.Params) -> SparseAdamState:
@@ -240,6 +252,7 @@ def sparse_adam(
   mu_dtype: Any = None,
   nu_dtype: Any = None,
   rowwise_second_moment: bool = False,
+  moment_rounding: str = "nearest",
 ) -> optax.GradientTransformation:
   r"""Masked Adam for BCOO gradients, with the numerics of `torch.optim.SparseAdam`.
 
@@ -296,6 +309,17 @@ def sparse_adam(
       FBGEMM and `optax.adam`). The state's `nu` is then `(num_rows,)`: about
       half the memory of full Adam. Gradients must index rows by the leading
       dim only (`n_sparse=1`). Not torch's SparseAdam: off by default.
+    moment_rounding: how moments kept in bfloat16 (`mu_dtype`/`nu_dtype`) are
+      rounded when stored: "nearest" (the default) or "stochastic". Rounded to
+      nearest, an update below half a bf16 ulp (2^-9 of the moment) is lost
+      every step, so a slowly moving moment stalls (`v` stops tracking a
+      shrinking :math:`g^2` once :math:`|g^2 - v| < 2v` at `b2=0.999`).
+      Stochastic rounding rounds up with probability equal to the dropped
+      fraction, unbiased in expectation, with random bits hashed from the
+      parameter's step count, the row and the element: the same bits in every
+      run, continued by a resumed run. "nearest" is the default because it is
+      what a cast does (the results of bf16 moments stay as they were) and
+      costs no hashing; with float32 moments the two are the same.
 
   Returns:
     An `optax.GradientTransformation` whose state is a `SparseAdamState`.
@@ -335,6 +359,7 @@ def sparse_adamw(
   mu_dtype: Any = None,
   nu_dtype: Any = None,
   rowwise_second_moment: bool = False,
+  moment_rounding: str = "nearest",
 ) -> optax.GradientTransformation:
   r"""`sparse_adam` with decoupled weight decay, applied to the touched rows only.
 
@@ -359,6 +384,8 @@ def sparse_adamw(
     rowwise_second_moment: one second moment per row, as in `sparse_adam`;
       with it, `sparse_adamw` is FBGEMM's PARTIAL_ROWWISE_ADAM with its weight
       decay.
+    moment_rounding: "nearest" or "stochastic", for bf16 moments (see
+      `sparse_adam`).
 
   Returns:
     An `optax.GradientTransformation` whose state is a `SparseAdamState`.

@@ -36,6 +36,16 @@ CONFIGS = {
     ),
     jnp.float32,
   ),
+  "rowwise_bf16_stochastic": lambda: (
+    osa.sparse_adam(
+      0.05,
+      mu_dtype=jnp.bfloat16,
+      nu_dtype=jnp.bfloat16,
+      moment_rounding="stochastic",
+      rowwise_second_moment=True,
+    ),
+    jnp.float32,
+  ),
   "apply_if_finite": lambda: (
     optax.apply_if_finite(osa.sparse_adam(0.05), max_consecutive_errors=2),
     jnp.float32,

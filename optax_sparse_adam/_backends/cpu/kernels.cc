@@ -34,16 +34,24 @@ namespace ffi = xla::ffi;
 #else
 #define OSA_MULTIVERSIONED
 #endif
+// Clang cannot clone templates; there the row templates keep the baseline ISA.
+#if defined(__clang__)
+#define OSA_MULTIVERSIONED_TEMPLATE
+#else
+#define OSA_MULTIVERSIONED_TEMPLATE OSA_MULTIVERSIONED
+#endif
 
 namespace {
 
 // Rows prefetched ahead of the one being updated: enough loads in flight to
 // hide DRAM latency on random rows, few enough to stay in L1.
 constexpr int64_t kPrefetchRows = 8;
-constexpr int64_t kFloatsPerLine = 16;
+constexpr int64_t kBytesPerLine = 64;
 
-inline void PrefetchRow(const float* row, int64_t row_size) {
-  for (int64_t j = 0; j < row_size; j += kFloatsPerLine) __builtin_prefetch(row + j, 1);
+template <typename T>
+inline void PrefetchRow(const T* row, int64_t row_size) {
+  constexpr int64_t kPerLine = kBytesPerLine / sizeof(T);
+  for (int64_t j = 0; j < row_size; j += kPerLine) __builtin_prefetch(row + j, 1);
 }
 
 // Random row accesses are bound by memory latency, so each core adds loads in
@@ -131,18 +139,76 @@ int64_t SortRows(const int32_t* rows, int64_t nse, int64_t num_rows,
   return n;
 }
 
-// The moment and parameter arithmetic of one row, in AdamRule.update's order.
-OSA_MULTIVERSIONED void AdamRow(
-    float* __restrict__ g, float* __restrict__ m, float* __restrict__ v, int64_t row_size,
-    bool maximize, float one_minus_b1, float one_minus_b2, float eps, float neg_step_size) {
+// Moments are stored as float32 or as bfloat16 (its bits in a uint16_t); the
+// arithmetic is float32 either way.
+inline float ToFloat(float x) { return x; }
+inline float ToFloat(uint16_t bits) {
+  const uint32_t word = static_cast<uint32_t>(bits) << 16;
+  float x;
+  std::memcpy(&x, &word, sizeof(x));
+  return x;
+}
+
+// MurmurHash3's 32-bit finalizer, as `rounding.fmix32`.
+inline uint32_t Fmix32(uint32_t x) {
+  x ^= x >> 16;
+  x *= 0x85EBCA6Bu;
+  x ^= x >> 13;
+  x *= 0xC2B2AE35u;
+  return x ^ (x >> 16);
+}
+
+// How one row of one slot is rounded to bfloat16: to nearest, or
+// stochastically with the row's key (`rounding.random_bits`).
+struct RowRounding {
+  bool stochastic = false;
+  uint32_t row_key = 0;
+};
+
+inline RowRounding MakeRowRounding(bool stochastic, uint32_t slot_key, int64_t row) {
+  RowRounding rounding;
+  rounding.stochastic = stochastic;
+  if (stochastic) rounding.row_key = Fmix32(slot_key ^ (static_cast<uint32_t>(row) * 0x85EBCA77u));
+  return rounding;
+}
+
+// Stores `x` in `*dst`'s format and returns the stored value.
+inline float StoreMoment(float* dst, float x, const RowRounding&, int64_t) {
+  *dst = x;
+  return x;
+}
+inline float StoreMoment(uint16_t* dst, float x, const RowRounding& rounding, int64_t j) {
+  uint32_t word;
+  std::memcpy(&word, &x, sizeof(word));
+  uint16_t bits;
+  if ((word & 0x7F800000u) == 0x7F800000u) {
+    // Inf stays inf; NaN becomes the quiet NaN of its sign, as XLA converts it.
+    bits = (word & 0x007FFFFFu) ? static_cast<uint16_t>(((word >> 16) & 0x8000u) | 0x7FC0u)
+                                : static_cast<uint16_t>(word >> 16);
+  } else if (rounding.stochastic) {
+    const uint32_t random16 =
+        Fmix32(rounding.row_key ^ (static_cast<uint32_t>(j) * 0xC2B2AE3Du)) >> 16;
+    bits = static_cast<uint16_t>((word + random16) >> 16);
+  } else {  // to nearest, ties to even
+    bits = static_cast<uint16_t>((word + 0x7FFFu + ((word >> 16) & 1u)) >> 16);
+  }
+  *dst = bits;
+  return ToFloat(bits);
+}
+
+// The moment and parameter arithmetic of one row, in AdamRule.update's order;
+// the delta is computed from the moments as stored.
+template <typename MuT, typename NuT>
+OSA_MULTIVERSIONED_TEMPLATE void AdamRow(
+    float* __restrict__ g, MuT* __restrict__ m, NuT* __restrict__ v, int64_t row_size,
+    bool maximize, float one_minus_b1, float one_minus_b2, float eps, float neg_step_size,
+    RowRounding m_rounding, RowRounding v_rounding) {
   for (int64_t j = 0; j < row_size; ++j) {
     const float gj = maximize ? -g[j] : g[j];  // a negation, as in XLA: NaNs flip sign too
-    const float mj = m[j];
-    const float vj = v[j];
-    const float m_new = mj + (gj - mj) * one_minus_b1;
-    const float v_new = vj + (gj * gj - vj) * one_minus_b2;
-    m[j] = m_new;
-    v[j] = v_new;
+    const float mj = ToFloat(m[j]);
+    const float vj = ToFloat(v[j]);
+    const float m_new = StoreMoment(&m[j], mj + (gj - mj) * one_minus_b1, m_rounding, j);
+    const float v_new = StoreMoment(&v[j], vj + (gj * gj - vj) * one_minus_b2, v_rounding, j);
     g[j] = neg_step_size * (m_new / (std::sqrt(v_new) + eps));
   }
 }
@@ -152,11 +218,37 @@ OSA_MULTIVERSIONED void AddRow(
   for (int64_t j = 0; j < row_size; ++j) dst[j] += src[j];
 }
 
-// The row size of a table viewed as `num_rows` rows (its leading dims), or -1.
-int64_t RowSize(const ffi::Buffer<ffi::F32>& table, int64_t num_rows) {
-  const int64_t count = static_cast<int64_t>(table.element_count());
-  if (num_rows <= 0 || count % num_rows != 0) return -1;
-  return count / num_rows;
+// The row size of a table of `count` values viewed as `num_rows` rows (its
+// leading dims), or -1.
+int64_t RowSize(size_t count, int64_t num_rows) {
+  const int64_t n = static_cast<int64_t>(count);
+  if (num_rows <= 0 || n % num_rows != 0) return -1;
+  return n / num_rows;
+}
+
+// Runs `body(MuT{}, NuT{})` with the storage types of mu and nu (float for
+// F32, uint16_t for BF16).
+template <typename Body>
+ffi::Error WithMomentTypes(ffi::DataType mu, ffi::DataType nu, Body body) {
+  const auto storable = [](ffi::DataType t) {
+    return t == ffi::DataType::F32 || t == ffi::DataType::BF16;
+  };
+  if (!storable(mu) || !storable(nu)) {
+    return ffi::Error::InvalidArgument("mu and nu must be float32 or bfloat16");
+  }
+  if (mu == ffi::DataType::F32) {
+    if (nu == ffi::DataType::F32) return body(float{}, float{});
+    return body(float{}, uint16_t{});
+  }
+  if (nu == ffi::DataType::F32) return body(uint16_t{}, float{});
+  return body(uint16_t{}, uint16_t{});
+}
+
+// Copies a table into XLA's output buffer where they differ (no donation).
+void CopyIfNotAliased(const ffi::AnyBuffer& in, ffi::Result<ffi::AnyBuffer>& out) {
+  if (out->untyped_data() != in.untyped_data()) {
+    std::memcpy(out->untyped_data(), in.untyped_data(), in.size_bytes());
+  }
 }
 
 // Coalesces a gradient's rows and runs `update(row, g)` on each distinct row.
@@ -208,44 +300,53 @@ void CoalescedRowsStep(const int32_t* rows, int64_t nse, const float* values, in
 // Tables come in their own shapes (a reshape would make XLA copy an aliased
 // operand) and are viewed as `num_rows` rows of `row_size` contiguous values.
 // Inputs: rows int32 (nse,), values f32 (nse, ...) of nse * row_size values,
-// mu and nu f32 tables, coeffs f32 (4,) = (1 - b1, 1 - b2, eps, step_size).
+// mu and nu f32 or bf16 tables, coeffs f32 (4,) = (1 - b1, 1 - b2, eps,
+// step_size), keys u32 (2,): mu's and nu's keys of this step for stochastic
+// rounding (`rounding.step_key`), read when `stochastic` (bf16 tables only).
 // Outputs: as `CoalescedRowsStep`; mu and nu, updated in the touched rows
 // (aliased to the inputs, so in place when donated).
 ffi::Error FusedAdamImpl(ffi::Buffer<ffi::S32> rows, ffi::Buffer<ffi::F32> values,
-                        ffi::Buffer<ffi::F32> mu, ffi::Buffer<ffi::F32> nu,
-                        ffi::Buffer<ffi::F32> coeffs, int64_t num_rows, bool maximize,
-                        ffi::ThreadPool pool,
+                        ffi::AnyBuffer mu, ffi::AnyBuffer nu, ffi::Buffer<ffi::F32> coeffs,
+                        ffi::Buffer<ffi::U32> keys, int64_t num_rows, bool maximize,
+                        bool stochastic, ffi::ThreadPool pool,
                         ffi::ResultBuffer<ffi::S32> distinct_rows, ffi::ResultBuffer<ffi::F32> delta,
-                        ffi::ResultBuffer<ffi::F32> mu_out, ffi::ResultBuffer<ffi::F32> nu_out) {
+                        ffi::Result<ffi::AnyBuffer> mu_out, ffi::Result<ffi::AnyBuffer> nu_out) {
   const int64_t nse = static_cast<int64_t>(rows.element_count());
-  const int64_t row_size = RowSize(mu, num_rows);
-  if (row_size < 0 || RowSize(nu, num_rows) != row_size) {
+  const int64_t row_size = RowSize(mu.element_count(), num_rows);
+  if (row_size < 0 || RowSize(nu.element_count(), num_rows) != row_size) {
     return ffi::Error::InvalidArgument("mu and nu must hold num_rows rows of equal size");
   }
   if (static_cast<int64_t>(values.element_count()) != nse * row_size) {
     return ffi::Error::InvalidArgument("values must hold nse rows of the tables' row size");
   }
   if (coeffs.element_count() != 4) return ffi::Error::InvalidArgument("coeffs must be (4,)");
-
-  float* m = mu_out->typed_data();
-  float* v = nu_out->typed_data();
+  if (keys.element_count() != 2) return ffi::Error::InvalidArgument("keys must be (2,)");
   // Without donation XLA gives fresh output buffers: start from the inputs.
-  if (m != mu.typed_data()) std::memcpy(m, mu.typed_data(), mu.size_bytes());
-  if (v != nu.typed_data()) std::memcpy(v, nu.typed_data(), nu.size_bytes());
+  CopyIfNotAliased(mu, mu_out);
+  CopyIfNotAliased(nu, nu_out);
   const float* c = coeffs.typed_data();
   const float neg_step_size = -c[3];
-  CoalescedRowsStep(
-      rows.typed_data(), nse, values.typed_data(), num_rows, row_size, pool,
-      distinct_rows->typed_data(), delta->typed_data(),
-      [&](int64_t row) {
-        PrefetchRow(m + row * row_size, row_size);
-        PrefetchRow(v + row * row_size, row_size);
-      },
-      [&](int64_t row, float* g) {
-        AdamRow(g, m + row * row_size, v + row * row_size, row_size, maximize, c[0], c[1], c[2],
-                neg_step_size);
-      });
-  return ffi::Error::Success();
+  const uint32_t mu_key = keys.typed_data()[0];
+  const uint32_t nu_key = keys.typed_data()[1];
+  return WithMomentTypes(mu.element_type(), nu.element_type(), [&](auto mu_t, auto nu_t) {
+    using MuT = decltype(mu_t);
+    using NuT = decltype(nu_t);
+    MuT* m = static_cast<MuT*>(mu_out->untyped_data());
+    NuT* v = static_cast<NuT*>(nu_out->untyped_data());
+    CoalescedRowsStep(
+        rows.typed_data(), nse, values.typed_data(), num_rows, row_size, pool,
+        distinct_rows->typed_data(), delta->typed_data(),
+        [&](int64_t row) {
+          PrefetchRow(m + row * row_size, row_size);
+          PrefetchRow(v + row * row_size, row_size);
+        },
+        [&](int64_t row, float* g) {
+          AdamRow(g, m + row * row_size, v + row * row_size, row_size, maximize, c[0], c[1], c[2],
+                  neg_step_size, MakeRowRounding(stochastic, mu_key, row),
+                  MakeRowRounding(stochastic, nu_key, row));
+        });
+    return ffi::Error::Success();
+  });
 }
 
 // The sum of a row's `row_size` values in `scratch`, added pairwise in
@@ -264,40 +365,43 @@ float PairwiseSum(float* scratch, int64_t row_size) {
 }
 
 // The row-wise Adam arithmetic of one row, in RowwiseAdamRule.update's order:
-// `v` is the row's one second-moment value.
-OSA_MULTIVERSIONED void RowwiseAdamRow(
-    float* __restrict__ g, float* __restrict__ m, float* __restrict__ v,
+// `v` is the row's one second-moment value; the delta is computed from the
+// moments as stored.
+template <typename MuT, typename NuT>
+OSA_MULTIVERSIONED_TEMPLATE void RowwiseAdamRow(
+    float* __restrict__ g, MuT* __restrict__ m, NuT* __restrict__ v,
     float* __restrict__ scratch, int64_t row_size, bool maximize, float one_minus_b1,
-    float one_minus_b2, float eps, float lr_over_bc1, float inv_bc2, float inv_row_size) {
+    float one_minus_b2, float eps, float lr_over_bc1, float inv_bc2, float inv_row_size,
+    RowRounding m_rounding, RowRounding v_rounding) {
   for (int64_t j = 0; j < row_size; ++j) {
     const float gj = maximize ? -g[j] : g[j];  // a negation, as in XLA: NaNs flip sign too
     g[j] = gj;
     scratch[j] = gj * gj;
   }
   const float mean_square = PairwiseSum(scratch, row_size) * inv_row_size;
-  const float v_new = *v + (mean_square - *v) * one_minus_b2;
-  *v = v_new;
-  const float neg_rate = -(lr_over_bc1 / (std::sqrt(v_new * inv_bc2) + eps));
+  const float v_old = ToFloat(*v);
+  const float v_new = StoreMoment(v, v_old + (mean_square - v_old) * one_minus_b2, v_rounding, 0);
+  const float neg_rate = (-lr_over_bc1) / (std::sqrt(v_new * inv_bc2) + eps);
   for (int64_t j = 0; j < row_size; ++j) {
-    const float mj = m[j];
-    const float m_new = mj + (g[j] - mj) * one_minus_b1;
-    m[j] = m_new;
+    const float mj = ToFloat(m[j]);
+    const float m_new = StoreMoment(&m[j], mj + (g[j] - mj) * one_minus_b1, m_rounding, j);
     g[j] = neg_rate * m_new;
   }
 }
 
 // The row-wise Adam step: as FusedAdamImpl, with `nu` holding one value per
-// row (f32 (num_rows,)) and coeffs f32 (6,) = (1 - b1, 1 - b2, eps,
+// row ((num_rows,)) and coeffs f32 (6,) = (1 - b1, 1 - b2, eps,
 // lr / (1 - b1^t), 1 / (1 - b2^t), 1 / row_size).
 ffi::Error FusedRowwiseAdamImpl(ffi::Buffer<ffi::S32> rows, ffi::Buffer<ffi::F32> values,
-                                ffi::Buffer<ffi::F32> mu, ffi::Buffer<ffi::F32> nu,
-                                ffi::Buffer<ffi::F32> coeffs, int64_t num_rows, bool maximize,
+                                ffi::AnyBuffer mu, ffi::AnyBuffer nu,
+                                ffi::Buffer<ffi::F32> coeffs, ffi::Buffer<ffi::U32> keys,
+                                int64_t num_rows, bool maximize, bool stochastic,
                                 ffi::ThreadPool pool, ffi::ResultBuffer<ffi::S32> distinct_rows,
                                 ffi::ResultBuffer<ffi::F32> delta,
-                                ffi::ResultBuffer<ffi::F32> mu_out,
-                                ffi::ResultBuffer<ffi::F32> nu_out) {
+                                ffi::Result<ffi::AnyBuffer> mu_out,
+                                ffi::Result<ffi::AnyBuffer> nu_out) {
   const int64_t nse = static_cast<int64_t>(rows.element_count());
-  const int64_t row_size = RowSize(mu, num_rows);
+  const int64_t row_size = RowSize(mu.element_count(), num_rows);
   if (row_size < 0 || static_cast<int64_t>(nu.element_count()) != num_rows) {
     return ffi::Error::InvalidArgument("mu must hold num_rows rows and nu num_rows values");
   }
@@ -305,26 +409,33 @@ ffi::Error FusedRowwiseAdamImpl(ffi::Buffer<ffi::S32> rows, ffi::Buffer<ffi::F32
     return ffi::Error::InvalidArgument("values must hold nse rows of the tables' row size");
   }
   if (coeffs.element_count() != 6) return ffi::Error::InvalidArgument("coeffs must be (6,)");
-
-  float* m = mu_out->typed_data();
-  float* v = nu_out->typed_data();
-  if (m != mu.typed_data()) std::memcpy(m, mu.typed_data(), mu.size_bytes());
-  if (v != nu.typed_data()) std::memcpy(v, nu.typed_data(), nu.size_bytes());
+  if (keys.element_count() != 2) return ffi::Error::InvalidArgument("keys must be (2,)");
+  CopyIfNotAliased(mu, mu_out);
+  CopyIfNotAliased(nu, nu_out);
   const float* c = coeffs.typed_data();
-  CoalescedRowsStep(
-      rows.typed_data(), nse, values.typed_data(), num_rows, row_size, pool,
-      distinct_rows->typed_data(), delta->typed_data(),
-      [&](int64_t row) {
-        PrefetchRow(m + row * row_size, row_size);
-        __builtin_prefetch(v + row, 1);
-      },
-      [&](int64_t row, float* g) {
-        thread_local std::vector<float> scratch;
-        if (static_cast<int64_t>(scratch.size()) < row_size) scratch.resize(row_size);
-        RowwiseAdamRow(g, m + row * row_size, v + row, scratch.data(), row_size, maximize, c[0],
-                       c[1], c[2], c[3], c[4], c[5]);
-      });
-  return ffi::Error::Success();
+  const uint32_t mu_key = keys.typed_data()[0];
+  const uint32_t nu_key = keys.typed_data()[1];
+  return WithMomentTypes(mu.element_type(), nu.element_type(), [&](auto mu_t, auto nu_t) {
+    using MuT = decltype(mu_t);
+    using NuT = decltype(nu_t);
+    MuT* m = static_cast<MuT*>(mu_out->untyped_data());
+    NuT* v = static_cast<NuT*>(nu_out->untyped_data());
+    CoalescedRowsStep(
+        rows.typed_data(), nse, values.typed_data(), num_rows, row_size, pool,
+        distinct_rows->typed_data(), delta->typed_data(),
+        [&](int64_t row) {
+          PrefetchRow(m + row * row_size, row_size);
+          __builtin_prefetch(v + row, 1);
+        },
+        [&](int64_t row, float* g) {
+          thread_local std::vector<float> scratch;
+          if (static_cast<int64_t>(scratch.size()) < row_size) scratch.resize(row_size);
+          RowwiseAdamRow(g, m + row * row_size, v + row, scratch.data(), row_size, maximize, c[0],
+                         c[1], c[2], c[3], c[4], c[5], MakeRowRounding(stochastic, mu_key, row),
+                         MakeRowRounding(stochastic, nu_key, row));
+        });
+    return ffi::Error::Success();
+  });
 }
 
 // param[rows[i]] += values[i] for in-range rows, in input order (XLA's
@@ -335,7 +446,7 @@ ffi::Error ScatterAddRowsImpl(ffi::Buffer<ffi::F32> param, ffi::Buffer<ffi::S32>
                               bool rows_unique, ffi::ThreadPool pool,
                               ffi::ResultBuffer<ffi::F32> out) {
   const int64_t nse = static_cast<int64_t>(rows.element_count());
-  const int64_t row_size = RowSize(param, num_rows);
+  const int64_t row_size = RowSize(param.element_count(), num_rows);
   if (row_size < 0) return ffi::Error::InvalidArgument("param must hold num_rows rows");
   if (static_cast<int64_t>(values.element_count()) != nse * row_size) {
     return ffi::Error::InvalidArgument("values must hold nse rows of the param's row size");
@@ -384,31 +495,35 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(OsaFusedAdamF32, FusedAdamImpl,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U32>>()
                                   .Attr<int64_t>("num_rows")
                                   .Attr<bool>("maximize")
+                                  .Attr<bool>("stochastic")
                                   .Ctx<ffi::ThreadPool>()
                                   .Ret<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(OsaFusedRowwiseAdamF32, FusedRowwiseAdamImpl,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U32>>()
                                   .Attr<int64_t>("num_rows")
                                   .Attr<bool>("maximize")
+                                  .Attr<bool>("stochastic")
                                   .Ctx<ffi::ThreadPool>()
                                   .Ret<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(OsaScatterAddRowsF32, ScatterAddRowsImpl,
                               ffi::Ffi::Bind()

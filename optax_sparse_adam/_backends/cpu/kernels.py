@@ -5,8 +5,9 @@ a step's coalescing, slot updates and parameter scatter-add in one pass per
 table instead. A rule with a kernel variant is listed in `_VARIANTS` by its
 name; the variant computes what `xla.masked_step` computes with that rule, bit
 for bit. The Adam and row-wise Adam variants are used only where they apply: on
-the CPU, float32 gradient, moments and parameter, with no amsgrad, weight decay
-or per-row bias correction, and arrays
+the CPU, float32 gradient and parameter, float32 or bfloat16 moments (stored in
+place, rounded as the step asks), with no amsgrad, weight decay or per-row bias
+correction, and arrays
 known to be on one device (XLA cannot partition a custom call: it would gather
 a sharded table onto every device, so possibly sharded tables keep the XLA
 path). Everything else runs XLA ops; `lax.platform_dependent` picks per backend
@@ -32,7 +33,7 @@ import jax
 import jax.numpy as jnp
 
 from optax_sparse_adam._backends import choice
-from optax_sparse_adam._core import sharding
+from optax_sparse_adam._core import rounding, sharding
 from optax_sparse_adam._core.adam import AdamRule
 from optax_sparse_adam._core.bcoo import RowLayout
 from optax_sparse_adam._core.rowwise_adam import (
@@ -98,8 +99,12 @@ def enabled() -> bool:
   return choice.cpu_kernels_wanted() and available()
 
 
-def _applies(arrays: Sequence[Any], *, nse: int, num_rows: int, row_size: int) -> bool:
-  """Whether a kernel may run a step on `arrays` (all float32) at trace time.
+def _applies(
+  arrays: Sequence[Any], *, nse: int, num_rows: int, row_size: int, moments: Sequence[Any] = ()
+) -> bool:
+  """Whether a kernel may run a step on `arrays` (all float32) and `moments` at trace time.
+
+  `moments` may be float32 or bfloat16 (the step kernels store either).
 
   Also needs at least one entry and one row of at least one value, no mesh with
   Explicit axes and arrays known to be on one device (a custom call cannot be
@@ -109,12 +114,13 @@ def _applies(arrays: Sequence[Any], *, nse: int, num_rows: int, row_size: int) -
   float32 = jnp.dtype(jnp.float32)
   return (
     all(jnp.dtype(x.dtype) == float32 for x in arrays)
+    and all(jnp.dtype(x.dtype) in (float32, jnp.dtype(jnp.bfloat16)) for x in moments)
     and nse > 0
     and num_rows > 0
     and row_size > 0
     and not sharding.explicit_axes()
     and enabled()
-    and sharding.on_one_cpu_device(arrays)
+    and sharding.on_one_cpu_device((*arrays, *moments))
   )
 
 
@@ -179,18 +185,29 @@ def use_cpu_kernels(enable: bool) -> Iterator[None]:
 
 
 def _plain_step_applies(inputs: StepInputs, plan: StepPlan) -> bool:
-  """Float32 `mu` and `nu`, and no weight decay or per-row steps."""
+  """Float32 gradient, float32 or bf16 `mu` and `nu`, no weight decay or per-row steps."""
   tables = inputs.tables
   return (
     tables.row_step is None
     and plan.config.weight_decay == "none"
+    # Stochastic rounding keys on the step count (the XLA path refuses a step without one).
+    and (inputs.step is not None or plan.config.moment_rounding == "nearest")
     and _applies(
-      (inputs.values, tables.slots["mu"], tables.slots["nu"]),
+      (inputs.values,),
       nse=inputs.values.shape[0],
       num_rows=plan.layout.num_rows,
       row_size=math.prod(plan.layout.dense_shape),
+      moments=(tables.slots["mu"], tables.slots["nu"]),
     )
   )
+
+
+def _rounding_args(inputs: StepInputs, plan: StepPlan) -> dict[str, Any]:
+  """The kernels' stochastic-rounding inputs: mu's and nu's keys of this step, and the switch."""
+  step = inputs.step if inputs.step is not None else jnp.zeros((), jnp.int32)
+  names = [slot.name for slot in plan.rule.slots()]
+  keys = jnp.stack([rounding.step_key(step, names.index(name)) for name in ("mu", "nu")])
+  return {"keys": keys, "stochastic": plan.config.moment_rounding == "stochastic"}
 
 
 def _adam_applies(inputs: StepInputs, plan: StepPlan) -> bool:
@@ -218,6 +235,7 @@ def _adam_step(inputs: StepInputs, plan: StepPlan) -> RowsStep:
     coefficients,
     num_rows=plan.layout.num_rows,
     maximize=plan.config.maximize,
+    **_rounding_args(inputs, plan),
   )
   return RowsStep(distinct_rows, delta, Tables({"mu": mu, "nu": nu}))
 
@@ -254,6 +272,7 @@ def _rowwise_adam_step(inputs: StepInputs, plan: StepPlan) -> RowsStep:
     coefficients,
     num_rows=plan.layout.num_rows,
     maximize=plan.config.maximize,
+    **_rounding_args(inputs, plan),
   )
   return RowsStep(distinct_rows, delta, Tables({"mu": mu, "nu": nu}))
 
@@ -267,6 +286,8 @@ def fused_adam(
   *,
   num_rows: int,
   maximize: bool,
+  keys: jax.Array | None = None,
+  stochastic: bool = False,
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
   """The coalesced Adam step of one table on the CPU (the FFI call).
 
@@ -276,16 +297,29 @@ def fused_adam(
   Args:
     rows: int32 `(nse,)` row ids; out-of-range ids are padding.
     values: float32 `(nse, ...)` gradient entries, one row each.
-    mu, nu: float32 moments of `num_rows` rows; updated in place when donated.
+    mu, nu: float32 or bfloat16 moments of `num_rows` rows; updated in place
+      when donated.
     coefficients: float32 `(4,)`: `1 - b1`, `1 - b2`, `eps`, the step size.
     num_rows: the tables' number of rows (the product of their sparse dims).
     maximize: ascend instead of descend.
+    keys: uint32 `(2,)`, mu's and nu's `rounding.step_key` of this step, read
+      with `stochastic` only (None: zeros).
+    stochastic: round bf16 moments stochastically instead of to nearest.
 
   Returns:
     `(rows, delta, mu, nu)`: distinct rows then padding, as `xla.masked_step` with `AdamRule()`.
   """
   return _fused_call(
-    _FUSED_ADAM, rows, values, mu, nu, coefficients, num_rows=num_rows, maximize=maximize
+    _FUSED_ADAM,
+    rows,
+    values,
+    mu,
+    nu,
+    coefficients,
+    num_rows=num_rows,
+    maximize=maximize,
+    keys=jnp.zeros((2,), jnp.uint32) if keys is None else keys,
+    stochastic=stochastic,
   )
 
 
@@ -299,19 +333,31 @@ def _fused_call(
   *,
   num_rows: int,
   maximize: bool,
+  keys: jax.Array,
+  stochastic: bool,
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
   """The FFI call of a fused step whose state is `mu` and `nu`, updated in place."""
   nse = rows.shape[0]
   out_types = (
     jax.ShapeDtypeStruct((nse,), jnp.int32),
     jax.ShapeDtypeStruct(values.shape, jnp.float32),
-    jax.ShapeDtypeStruct(mu.shape, jnp.float32),
-    jax.ShapeDtypeStruct(nu.shape, jnp.float32),
+    jax.ShapeDtypeStruct(mu.shape, mu.dtype),
+    jax.ShapeDtypeStruct(nu.shape, nu.dtype),
   )
   call = jax.ffi.ffi_call(
     target, out_types, input_output_aliases={2: 2, 3: 3}, vmap_method=_VMAP_METHOD
   )
-  return call(rows, values, mu, nu, coefficients, num_rows=num_rows, maximize=maximize)
+  return call(
+    rows,
+    values,
+    mu,
+    nu,
+    coefficients,
+    keys.astype(jnp.uint32),
+    num_rows=num_rows,
+    maximize=maximize,
+    stochastic=stochastic,
+  )
 
 
 # The rules with a fused kernel, by `RowRule.name`.
