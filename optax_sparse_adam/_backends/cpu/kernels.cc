@@ -21,6 +21,7 @@
 #include <memory>
 #include <string>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
@@ -158,57 +159,51 @@ inline uint32_t Fmix32(uint32_t x) {
   return x ^ (x >> 16);
 }
 
-// How one row of one slot is rounded to bfloat16: to nearest, or
-// stochastically with the row's key (`rounding.random_bits`).
-struct RowRounding {
-  bool stochastic = false;
-  uint32_t row_key = 0;
-};
-
-inline RowRounding MakeRowRounding(bool stochastic, uint32_t slot_key, int64_t row) {
-  RowRounding rounding;
-  rounding.stochastic = stochastic;
-  if (stochastic) rounding.row_key = Fmix32(slot_key ^ (static_cast<uint32_t>(row) * 0x85EBCA77u));
-  return rounding;
+// The key of one row of one slot for stochastic rounding (`rounding.random_bits`).
+inline uint32_t RowKey(uint32_t slot_key, int64_t row) {
+  return Fmix32(slot_key ^ (static_cast<uint32_t>(row) * 0x85EBCA77u));
 }
 
-// Stores `x` in `*dst`'s format and returns the stored value.
-inline float StoreMoment(float* dst, float x, const RowRounding&, int64_t) {
+// Stores `x` in `*dst`'s format and returns the stored value. For bfloat16,
+// `kStochastic` rounds with the bits hashed from `row_key` and the element `j`,
+// else to nearest, ties to even. Branch-free but for the template switch, so
+// the row loops vectorize: an inf's low 16 bits are zero, so adding at most
+// 0xFFFF keeps it inf; only NaN is replaced, by the quiet NaN of its sign, as
+// XLA converts it.
+template <bool kStochastic>
+inline float StoreMoment(float* dst, float x, uint32_t, int64_t) {
   *dst = x;
   return x;
 }
-inline float StoreMoment(uint16_t* dst, float x, const RowRounding& rounding, int64_t j) {
+template <bool kStochastic>
+inline float StoreMoment(uint16_t* dst, float x, uint32_t row_key, int64_t j) {
   uint32_t word;
   std::memcpy(&word, &x, sizeof(word));
-  uint16_t bits;
-  if ((word & 0x7F800000u) == 0x7F800000u) {
-    // Inf stays inf; NaN becomes the quiet NaN of its sign, as XLA converts it.
-    bits = (word & 0x007FFFFFu) ? static_cast<uint16_t>(((word >> 16) & 0x8000u) | 0x7FC0u)
-                                : static_cast<uint16_t>(word >> 16);
-  } else if (rounding.stochastic) {
-    const uint32_t random16 =
-        Fmix32(rounding.row_key ^ (static_cast<uint32_t>(j) * 0xC2B2AE3Du)) >> 16;
-    bits = static_cast<uint16_t>((word + random16) >> 16);
-  } else {  // to nearest, ties to even
-    bits = static_cast<uint16_t>((word + 0x7FFFu + ((word >> 16) & 1u)) >> 16);
-  }
+  const uint32_t add = kStochastic
+      ? Fmix32(row_key ^ (static_cast<uint32_t>(j) * 0xC2B2AE3Du)) >> 16
+      : 0x7FFFu + ((word >> 16) & 1u);
+  const uint32_t rounded = (word + add) >> 16;
+  const uint32_t quiet_nan = ((word >> 16) & 0x8000u) | 0x7FC0u;
+  const uint16_t bits =
+      static_cast<uint16_t>((word & 0x7FFFFFFFu) > 0x7F800000u ? quiet_nan : rounded);
   *dst = bits;
   return ToFloat(bits);
 }
 
 // The moment and parameter arithmetic of one row, in AdamRule.update's order;
 // the delta is computed from the moments as stored.
-template <typename MuT, typename NuT>
+template <typename MuT, typename NuT, bool kStochastic>
 OSA_MULTIVERSIONED_TEMPLATE void AdamRow(
     float* __restrict__ g, MuT* __restrict__ m, NuT* __restrict__ v, int64_t row_size,
     bool maximize, float one_minus_b1, float one_minus_b2, float eps, float neg_step_size,
-    RowRounding m_rounding, RowRounding v_rounding) {
+    uint32_t m_key, uint32_t v_key) {
   for (int64_t j = 0; j < row_size; ++j) {
     const float gj = maximize ? -g[j] : g[j];  // a negation, as in XLA: NaNs flip sign too
     const float mj = ToFloat(m[j]);
     const float vj = ToFloat(v[j]);
-    const float m_new = StoreMoment(&m[j], mj + (gj - mj) * one_minus_b1, m_rounding, j);
-    const float v_new = StoreMoment(&v[j], vj + (gj * gj - vj) * one_minus_b2, v_rounding, j);
+    const float m_new = StoreMoment<kStochastic>(&m[j], mj + (gj - mj) * one_minus_b1, m_key, j);
+    const float v_new =
+        StoreMoment<kStochastic>(&v[j], vj + (gj * gj - vj) * one_minus_b2, v_key, j);
     g[j] = neg_step_size * (m_new / (std::sqrt(v_new) + eps));
   }
 }
@@ -226,22 +221,26 @@ int64_t RowSize(size_t count, int64_t num_rows) {
   return n / num_rows;
 }
 
-// Runs `body(MuT{}, NuT{})` with the storage types of mu and nu (float for
-// F32, uint16_t for BF16).
+// Runs `body(MuT{}, NuT{}, Stochastic{})` with the storage types of mu and nu
+// (float for F32, uint16_t for BF16) and `Stochastic::value == stochastic`.
 template <typename Body>
-ffi::Error WithMomentTypes(ffi::DataType mu, ffi::DataType nu, Body body) {
+ffi::Error WithMomentTypes(ffi::DataType mu, ffi::DataType nu, bool stochastic, Body body) {
   const auto storable = [](ffi::DataType t) {
     return t == ffi::DataType::F32 || t == ffi::DataType::BF16;
   };
   if (!storable(mu) || !storable(nu)) {
     return ffi::Error::InvalidArgument("mu and nu must be float32 or bfloat16");
   }
-  if (mu == ffi::DataType::F32) {
-    if (nu == ffi::DataType::F32) return body(float{}, float{});
-    return body(float{}, uint16_t{});
-  }
-  if (nu == ffi::DataType::F32) return body(uint16_t{}, float{});
-  return body(uint16_t{}, uint16_t{});
+  const auto with_nu = [&](auto mu_t, auto rounding) {
+    if (nu == ffi::DataType::F32) return body(mu_t, float{}, rounding);
+    return body(mu_t, uint16_t{}, rounding);
+  };
+  const auto with_mu = [&](auto rounding) {
+    if (mu == ffi::DataType::F32) return with_nu(float{}, rounding);
+    return with_nu(uint16_t{}, rounding);
+  };
+  if (stochastic) return with_mu(std::true_type{});
+  return with_mu(std::false_type{});
 }
 
 // Copies a table into XLA's output buffer where they differ (no donation).
@@ -328,9 +327,10 @@ ffi::Error FusedAdamImpl(ffi::Buffer<ffi::S32> rows, ffi::Buffer<ffi::F32> value
   const float neg_step_size = -c[3];
   const uint32_t mu_key = keys.typed_data()[0];
   const uint32_t nu_key = keys.typed_data()[1];
-  return WithMomentTypes(mu.element_type(), nu.element_type(), [&](auto mu_t, auto nu_t) {
+  const auto run = [&](auto mu_t, auto nu_t, auto rounding) {
     using MuT = decltype(mu_t);
     using NuT = decltype(nu_t);
+    constexpr bool kStochastic = decltype(rounding)::value;
     MuT* m = static_cast<MuT*>(mu_out->untyped_data());
     NuT* v = static_cast<NuT*>(nu_out->untyped_data());
     CoalescedRowsStep(
@@ -341,12 +341,14 @@ ffi::Error FusedAdamImpl(ffi::Buffer<ffi::S32> rows, ffi::Buffer<ffi::F32> value
           PrefetchRow(v + row * row_size, row_size);
         },
         [&](int64_t row, float* g) {
-          AdamRow(g, m + row * row_size, v + row * row_size, row_size, maximize, c[0], c[1], c[2],
-                  neg_step_size, MakeRowRounding(stochastic, mu_key, row),
-                  MakeRowRounding(stochastic, nu_key, row));
+          AdamRow<MuT, NuT, kStochastic>(
+              g, m + row * row_size, v + row * row_size, row_size, maximize, c[0], c[1], c[2],
+              neg_step_size, kStochastic ? RowKey(mu_key, row) : 0u,
+              kStochastic ? RowKey(nu_key, row) : 0u);
         });
     return ffi::Error::Success();
-  });
+  };
+  return WithMomentTypes(mu.element_type(), nu.element_type(), stochastic, run);
 }
 
 // The sum of a row's `row_size` values in `scratch`, added pairwise in
@@ -367,12 +369,12 @@ float PairwiseSum(float* scratch, int64_t row_size) {
 // The row-wise Adam arithmetic of one row, in RowwiseAdamRule.update's order:
 // `v` is the row's one second-moment value; the delta is computed from the
 // moments as stored.
-template <typename MuT, typename NuT>
+template <typename MuT, typename NuT, bool kStochastic>
 OSA_MULTIVERSIONED_TEMPLATE void RowwiseAdamRow(
     float* __restrict__ g, MuT* __restrict__ m, NuT* __restrict__ v,
     float* __restrict__ scratch, int64_t row_size, bool maximize, float one_minus_b1,
     float one_minus_b2, float eps, float lr_over_bc1, float inv_bc2, float inv_row_size,
-    RowRounding m_rounding, RowRounding v_rounding) {
+    uint32_t m_key, uint32_t v_key) {
   for (int64_t j = 0; j < row_size; ++j) {
     const float gj = maximize ? -g[j] : g[j];  // a negation, as in XLA: NaNs flip sign too
     g[j] = gj;
@@ -380,11 +382,12 @@ OSA_MULTIVERSIONED_TEMPLATE void RowwiseAdamRow(
   }
   const float mean_square = PairwiseSum(scratch, row_size) * inv_row_size;
   const float v_old = ToFloat(*v);
-  const float v_new = StoreMoment(v, v_old + (mean_square - v_old) * one_minus_b2, v_rounding, 0);
+  const float v_new =
+      StoreMoment<kStochastic>(v, v_old + (mean_square - v_old) * one_minus_b2, v_key, 0);
   const float neg_rate = (-lr_over_bc1) / (std::sqrt(v_new * inv_bc2) + eps);
   for (int64_t j = 0; j < row_size; ++j) {
     const float mj = ToFloat(m[j]);
-    const float m_new = StoreMoment(&m[j], mj + (g[j] - mj) * one_minus_b1, m_rounding, j);
+    const float m_new = StoreMoment<kStochastic>(&m[j], mj + (g[j] - mj) * one_minus_b1, m_key, j);
     g[j] = neg_rate * m_new;
   }
 }
@@ -415,9 +418,10 @@ ffi::Error FusedRowwiseAdamImpl(ffi::Buffer<ffi::S32> rows, ffi::Buffer<ffi::F32
   const float* c = coeffs.typed_data();
   const uint32_t mu_key = keys.typed_data()[0];
   const uint32_t nu_key = keys.typed_data()[1];
-  return WithMomentTypes(mu.element_type(), nu.element_type(), [&](auto mu_t, auto nu_t) {
+  const auto run = [&](auto mu_t, auto nu_t, auto rounding) {
     using MuT = decltype(mu_t);
     using NuT = decltype(nu_t);
+    constexpr bool kStochastic = decltype(rounding)::value;
     MuT* m = static_cast<MuT*>(mu_out->untyped_data());
     NuT* v = static_cast<NuT*>(nu_out->untyped_data());
     CoalescedRowsStep(
@@ -430,12 +434,14 @@ ffi::Error FusedRowwiseAdamImpl(ffi::Buffer<ffi::S32> rows, ffi::Buffer<ffi::F32
         [&](int64_t row, float* g) {
           thread_local std::vector<float> scratch;
           if (static_cast<int64_t>(scratch.size()) < row_size) scratch.resize(row_size);
-          RowwiseAdamRow(g, m + row * row_size, v + row, scratch.data(), row_size, maximize, c[0],
-                         c[1], c[2], c[3], c[4], c[5], MakeRowRounding(stochastic, mu_key, row),
-                         MakeRowRounding(stochastic, nu_key, row));
+          RowwiseAdamRow<MuT, NuT, kStochastic>(
+              g, m + row * row_size, v + row, scratch.data(), row_size, maximize, c[0], c[1],
+              c[2], c[3], c[4], c[5], kStochastic ? RowKey(mu_key, row) : 0u,
+              kStochastic ? RowKey(nu_key, row) : 0u);
         });
     return ffi::Error::Success();
-  });
+  };
+  return WithMomentTypes(mu.element_type(), nu.element_type(), stochastic, run);
 }
 
 // param[rows[i]] += values[i] for in-range rows, in input order (XLA's
