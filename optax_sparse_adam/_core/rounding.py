@@ -26,7 +26,7 @@ same bits.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
 import jax
@@ -126,6 +126,6 @@ def slot_store(
   return store
 
 
-def nearest_store(slot_rows: dict[str, jax.Array]) -> SlotStore:
+def nearest_store(slot_rows: Mapping[str, jax.Array]) -> SlotStore:
   """`store` by `astype` to each slot's dtype: round to nearest."""
   return lambda name, x: x.astype(slot_rows[name].dtype)

@@ -13,6 +13,7 @@ from optax_sparse_adam._core import adam, bcoo, rounding, rules, sharding
 from optax_sparse_adam._core.adam import AdamRule, LeafState
 from optax_sparse_adam._core.errors import describe, flatten_grads, leaves_up_to, path_str
 from optax_sparse_adam._core.hyperparams import check_hyperparams, moment_dtype
+from optax_sparse_adam._core.rounding import MomentRounding
 from optax_sparse_adam._core.rowwise_adam import RowwiseAdamRule
 from optax_sparse_adam._optax import leaf
 
@@ -58,7 +59,7 @@ class SparseAdamOptions(NamedTuple):
   mu_dtype: Any
   nu_dtype: Any
   rowwise_second_moment: bool = False
-  moment_rounding: str = "nearest"
+  moment_rounding: MomentRounding = "nearest"
 
   @property
   def rule(self) -> AdamRule | RowwiseAdamRule:
@@ -177,7 +178,7 @@ def _scale_by_sparse_adam(options: SparseAdamOptions) -> optax.GradientTransform
   config = rules.StepConfig(
     maximize=options.maximize,
     weight_decay=leaf.weight_decay_mode(weight_decay, decoupled=options.decoupled_weight_decay),
-    moment_rounding=options.moment_rounding,  # type: ignore[arg-type]  # checked above
+    moment_rounding=options.moment_rounding,
   )
 
   def init_fn(params: optax.Params) -> SparseAdamState:
@@ -252,7 +253,7 @@ def sparse_adam(
   mu_dtype: Any = None,
   nu_dtype: Any = None,
   rowwise_second_moment: bool = False,
-  moment_rounding: str = "nearest",
+  moment_rounding: MomentRounding = "nearest",
 ) -> optax.GradientTransformation:
   r"""Masked Adam for BCOO gradients, with the numerics of `torch.optim.SparseAdam`.
 
@@ -359,7 +360,7 @@ def sparse_adamw(
   mu_dtype: Any = None,
   nu_dtype: Any = None,
   rowwise_second_moment: bool = False,
-  moment_rounding: str = "nearest",
+  moment_rounding: MomentRounding = "nearest",
 ) -> optax.GradientTransformation:
   r"""`sparse_adam` with decoupled weight decay, applied to the touched rows only.
 
