@@ -296,59 +296,96 @@ void CoalescedRowsStep(const int32_t* rows, int64_t nse, const float* values, in
   }
 }
 
-// Tables come in their own shapes (a reshape would make XLA copy an aliased
-// operand) and are viewed as `num_rows` rows of `row_size` contiguous values.
-// Inputs: rows int32 (nse,), values f32 (nse, ...) of nse * row_size values,
-// mu and nu f32 or bf16 tables, coeffs f32 (4,) = (1 - b1, 1 - b2, eps,
-// step_size), keys u32 (2,): mu's and nu's keys of this step for stochastic
+// The buffers of a fused moment step. Tables come in their own shapes (a
+// reshape would make XLA copy an aliased operand) and are viewed as `num_rows`
+// rows of `row_size` contiguous values. Inputs: rows int32 (nse,), values f32
+// (nse, ...) of nse * row_size values, mu (a table) and nu (a table, or one
+// value per row) in f32 or bf16, coeffs f32 = (1 - b1, 1 - b2, eps, then the
+// rule's), keys u32 (2,): mu's and nu's keys of this step for stochastic
 // rounding (`rounding.step_key`), read when `stochastic` (bf16 tables only).
 // Outputs: as `CoalescedRowsStep`; mu and nu, updated in the touched rows
 // (aliased to the inputs, so in place when donated).
+struct MomentStep {
+  ffi::Buffer<ffi::S32> rows;
+  ffi::Buffer<ffi::F32> values;
+  ffi::AnyBuffer mu;
+  ffi::AnyBuffer nu;
+  ffi::Buffer<ffi::F32> coeffs;
+  ffi::Buffer<ffi::U32> keys;
+  int64_t num_rows;
+  bool stochastic;
+  ffi::ThreadPool& pool;
+  ffi::ResultBuffer<ffi::S32>& distinct_rows;
+  ffi::ResultBuffer<ffi::F32>& delta;
+  ffi::Result<ffi::AnyBuffer>& mu_out;
+  ffi::Result<ffi::AnyBuffer>& nu_out;
+};
+
+// Checks a step's buffers, starts undonated outputs from the inputs, and runs
+// `update(m, v, g, m_key, v_key)` on each distinct row with typed pointers to
+// its moments (`Stochastic` in the update's template arguments). `nu_per_row`:
+// nu holds one value per row instead of a row.
+template <int kNumCoeffs, bool kNuPerRow, typename Update>
+ffi::Error RunMomentStep(MomentStep& step, Update update) {
+  const int64_t nse = static_cast<int64_t>(step.rows.element_count());
+  const int64_t row_size = RowSize(step.mu.element_count(), step.num_rows);
+  const int64_t nu_row_size = kNuPerRow ? 1 : row_size;
+  if (row_size < 0 || RowSize(step.nu.element_count(), step.num_rows) != nu_row_size) {
+    return ffi::Error::InvalidArgument("mu and nu must hold num_rows rows of the rule's sizes");
+  }
+  if (static_cast<int64_t>(step.values.element_count()) != nse * row_size) {
+    return ffi::Error::InvalidArgument("values must hold nse rows of the tables' row size");
+  }
+  if (step.coeffs.element_count() != kNumCoeffs) {
+    return ffi::Error::InvalidArgument("coeffs has the wrong size for this rule");
+  }
+  if (step.keys.element_count() != 2) return ffi::Error::InvalidArgument("keys must be (2,)");
+  // Without donation XLA gives fresh output buffers: start from the inputs.
+  CopyIfNotAliased(step.mu, step.mu_out);
+  CopyIfNotAliased(step.nu, step.nu_out);
+  const uint32_t mu_key = step.keys.typed_data()[0];
+  const uint32_t nu_key = step.keys.typed_data()[1];
+  const auto run = [&](auto mu_t, auto nu_t, auto rounding) {
+    using MuT = decltype(mu_t);
+    using NuT = decltype(nu_t);
+    constexpr bool kStochastic = decltype(rounding)::value;
+    MuT* m = static_cast<MuT*>(step.mu_out->untyped_data());
+    NuT* v = static_cast<NuT*>(step.nu_out->untyped_data());
+    CoalescedRowsStep(
+        step.rows.typed_data(), nse, step.values.typed_data(), step.num_rows, row_size, step.pool,
+        step.distinct_rows->typed_data(), step.delta->typed_data(),
+        [&](int64_t row) {
+          PrefetchRow(m + row * row_size, row_size);
+          PrefetchRow(v + row * nu_row_size, nu_row_size);
+        },
+        [&](int64_t row, float* g) {
+          update(rounding, m + row * row_size, v + row * nu_row_size, g, row_size,
+                 kStochastic ? RowKey(mu_key, row) : 0u, kStochastic ? RowKey(nu_key, row) : 0u);
+        });
+    return ffi::Error::Success();
+  };
+  return WithMomentTypes(step.mu.element_type(), step.nu.element_type(), step.stochastic, run);
+}
+
+// The Adam step; coeffs f32 (4,) = (1 - b1, 1 - b2, eps, step_size).
 ffi::Error FusedAdamImpl(ffi::Buffer<ffi::S32> rows, ffi::Buffer<ffi::F32> values,
                         ffi::AnyBuffer mu, ffi::AnyBuffer nu, ffi::Buffer<ffi::F32> coeffs,
                         ffi::Buffer<ffi::U32> keys, int64_t num_rows, bool maximize,
                         bool stochastic, ffi::ThreadPool pool,
                         ffi::ResultBuffer<ffi::S32> distinct_rows, ffi::ResultBuffer<ffi::F32> delta,
                         ffi::Result<ffi::AnyBuffer> mu_out, ffi::Result<ffi::AnyBuffer> nu_out) {
-  const int64_t nse = static_cast<int64_t>(rows.element_count());
-  const int64_t row_size = RowSize(mu.element_count(), num_rows);
-  if (row_size < 0 || RowSize(nu.element_count(), num_rows) != row_size) {
-    return ffi::Error::InvalidArgument("mu and nu must hold num_rows rows of equal size");
-  }
-  if (static_cast<int64_t>(values.element_count()) != nse * row_size) {
-    return ffi::Error::InvalidArgument("values must hold nse rows of the tables' row size");
-  }
-  if (coeffs.element_count() != 4) return ffi::Error::InvalidArgument("coeffs must be (4,)");
-  if (keys.element_count() != 2) return ffi::Error::InvalidArgument("keys must be (2,)");
-  // Without donation XLA gives fresh output buffers: start from the inputs.
-  CopyIfNotAliased(mu, mu_out);
-  CopyIfNotAliased(nu, nu_out);
+  MomentStep step{rows,       values, mu,   nu,            coeffs, keys,   num_rows,
+                  stochastic, pool,   distinct_rows, delta, mu_out, nu_out};
   const float* c = coeffs.typed_data();
   const float neg_step_size = -c[3];
-  const uint32_t mu_key = keys.typed_data()[0];
-  const uint32_t nu_key = keys.typed_data()[1];
-  const auto run = [&](auto mu_t, auto nu_t, auto rounding) {
-    using MuT = decltype(mu_t);
-    using NuT = decltype(nu_t);
-    constexpr bool kStochastic = decltype(rounding)::value;
-    MuT* m = static_cast<MuT*>(mu_out->untyped_data());
-    NuT* v = static_cast<NuT*>(nu_out->untyped_data());
-    CoalescedRowsStep(
-        rows.typed_data(), nse, values.typed_data(), num_rows, row_size, pool,
-        distinct_rows->typed_data(), delta->typed_data(),
-        [&](int64_t row) {
-          PrefetchRow(m + row * row_size, row_size);
-          PrefetchRow(v + row * row_size, row_size);
-        },
-        [&](int64_t row, float* g) {
-          AdamRow<MuT, NuT, kStochastic>(
-              g, m + row * row_size, v + row * row_size, row_size, maximize, c[0], c[1], c[2],
-              neg_step_size, kStochastic ? RowKey(mu_key, row) : 0u,
-              kStochastic ? RowKey(nu_key, row) : 0u);
-        });
-    return ffi::Error::Success();
-  };
-  return WithMomentTypes(mu.element_type(), nu.element_type(), stochastic, run);
+  return RunMomentStep<4, false>(
+      step, [&](auto rounding, auto* m, auto* v, float* g, int64_t row_size, uint32_t m_key,
+                uint32_t v_key) {
+        using MuT = std::remove_pointer_t<decltype(m)>;
+        using NuT = std::remove_pointer_t<decltype(v)>;
+        AdamRow<MuT, NuT, decltype(rounding)::value>(g, m, v, row_size, maximize, c[0], c[1], c[2],
+                                                     neg_step_size, m_key, v_key);
+      });
 }
 
 // The sum of a row's `row_size` values in `scratch`, added pairwise in
@@ -392,9 +429,8 @@ OSA_MULTIVERSIONED_TEMPLATE void RowwiseAdamRow(
   }
 }
 
-// The row-wise Adam step: as FusedAdamImpl, with `nu` holding one value per
-// row ((num_rows,)) and coeffs f32 (6,) = (1 - b1, 1 - b2, eps,
-// lr / (1 - b1^t), 1 / (1 - b2^t), 1 / row_size).
+// The row-wise Adam step: nu holds one value per row ((num_rows,)), and coeffs
+// f32 (6,) = (1 - b1, 1 - b2, eps, lr / (1 - b1^t), 1 / (1 - b2^t), 1 / row_size).
 ffi::Error FusedRowwiseAdamImpl(ffi::Buffer<ffi::S32> rows, ffi::Buffer<ffi::F32> values,
                                 ffi::AnyBuffer mu, ffi::AnyBuffer nu,
                                 ffi::Buffer<ffi::F32> coeffs, ffi::Buffer<ffi::U32> keys,
@@ -403,45 +439,20 @@ ffi::Error FusedRowwiseAdamImpl(ffi::Buffer<ffi::S32> rows, ffi::Buffer<ffi::F32
                                 ffi::ResultBuffer<ffi::F32> delta,
                                 ffi::Result<ffi::AnyBuffer> mu_out,
                                 ffi::Result<ffi::AnyBuffer> nu_out) {
-  const int64_t nse = static_cast<int64_t>(rows.element_count());
-  const int64_t row_size = RowSize(mu.element_count(), num_rows);
-  if (row_size < 0 || static_cast<int64_t>(nu.element_count()) != num_rows) {
-    return ffi::Error::InvalidArgument("mu must hold num_rows rows and nu num_rows values");
-  }
-  if (static_cast<int64_t>(values.element_count()) != nse * row_size) {
-    return ffi::Error::InvalidArgument("values must hold nse rows of the tables' row size");
-  }
-  if (coeffs.element_count() != 6) return ffi::Error::InvalidArgument("coeffs must be (6,)");
-  if (keys.element_count() != 2) return ffi::Error::InvalidArgument("keys must be (2,)");
-  CopyIfNotAliased(mu, mu_out);
-  CopyIfNotAliased(nu, nu_out);
+  MomentStep step{rows,       values, mu,   nu,            coeffs, keys,   num_rows,
+                  stochastic, pool,   distinct_rows, delta, mu_out, nu_out};
   const float* c = coeffs.typed_data();
-  const uint32_t mu_key = keys.typed_data()[0];
-  const uint32_t nu_key = keys.typed_data()[1];
-  const auto run = [&](auto mu_t, auto nu_t, auto rounding) {
-    using MuT = decltype(mu_t);
-    using NuT = decltype(nu_t);
-    constexpr bool kStochastic = decltype(rounding)::value;
-    MuT* m = static_cast<MuT*>(mu_out->untyped_data());
-    NuT* v = static_cast<NuT*>(nu_out->untyped_data());
-    CoalescedRowsStep(
-        rows.typed_data(), nse, values.typed_data(), num_rows, row_size, pool,
-        distinct_rows->typed_data(), delta->typed_data(),
-        [&](int64_t row) {
-          PrefetchRow(m + row * row_size, row_size);
-          __builtin_prefetch(v + row, 1);
-        },
-        [&](int64_t row, float* g) {
-          thread_local std::vector<float> scratch;
-          if (static_cast<int64_t>(scratch.size()) < row_size) scratch.resize(row_size);
-          RowwiseAdamRow<MuT, NuT, kStochastic>(
-              g, m + row * row_size, v + row, scratch.data(), row_size, maximize, c[0], c[1],
-              c[2], c[3], c[4], c[5], kStochastic ? RowKey(mu_key, row) : 0u,
-              kStochastic ? RowKey(nu_key, row) : 0u);
-        });
-    return ffi::Error::Success();
-  };
-  return WithMomentTypes(mu.element_type(), nu.element_type(), stochastic, run);
+  return RunMomentStep<6, true>(
+      step, [&](auto rounding, auto* m, auto* v, float* g, int64_t row_size, uint32_t m_key,
+                uint32_t v_key) {
+        using MuT = std::remove_pointer_t<decltype(m)>;
+        using NuT = std::remove_pointer_t<decltype(v)>;
+        thread_local std::vector<float> scratch;
+        if (static_cast<int64_t>(scratch.size()) < row_size) scratch.resize(row_size);
+        RowwiseAdamRow<MuT, NuT, decltype(rounding)::value>(
+            g, m, v, scratch.data(), row_size, maximize, c[0], c[1], c[2], c[3], c[4], c[5], m_key,
+            v_key);
+      });
 }
 
 // param[rows[i]] += values[i] for in-range rows, in input order (XLA's
@@ -495,41 +506,31 @@ ffi::Error ScatterAddRowsImpl(ffi::Buffer<ffi::F32> param, ffi::Buffer<ffi::S32>
   return ffi::Error::Success();
 }
 
+// The FFI signature of every fused moment step (`MomentStep`'s buffers).
+auto MomentStepBinding() {
+  return ffi::Ffi::Bind()
+      .Arg<ffi::Buffer<ffi::S32>>()
+      .Arg<ffi::Buffer<ffi::F32>>()
+      .Arg<ffi::AnyBuffer>()
+      .Arg<ffi::AnyBuffer>()
+      .Arg<ffi::Buffer<ffi::F32>>()
+      .Arg<ffi::Buffer<ffi::U32>>()
+      .Attr<int64_t>("num_rows")
+      .Attr<bool>("maximize")
+      .Attr<bool>("stochastic")
+      .Ctx<ffi::ThreadPool>()
+      .Ret<ffi::Buffer<ffi::S32>>()
+      .Ret<ffi::Buffer<ffi::F32>>()
+      .Ret<ffi::AnyBuffer>()
+      .Ret<ffi::AnyBuffer>();
+}
+
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(OsaFusedAdamF32, FusedAdamImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::U32>>()
-                                  .Attr<int64_t>("num_rows")
-                                  .Attr<bool>("maximize")
-                                  .Attr<bool>("stochastic")
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(OsaFusedAdamF32, FusedAdamImpl, MomentStepBinding());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(OsaFusedRowwiseAdamF32, FusedRowwiseAdamImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::U32>>()
-                                  .Attr<int64_t>("num_rows")
-                                  .Attr<bool>("maximize")
-                                  .Attr<bool>("stochastic")
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>());
+                              MomentStepBinding());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(OsaScatterAddRowsF32, ScatterAddRowsImpl,
                               ffi::Ffi::Bind()

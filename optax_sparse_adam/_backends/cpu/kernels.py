@@ -202,12 +202,11 @@ def _plain_step_applies(inputs: StepInputs, plan: StepPlan) -> bool:
   )
 
 
-def _rounding_args(inputs: StepInputs, plan: StepPlan) -> dict[str, Any]:
-  """The kernels' stochastic-rounding inputs: mu's and nu's keys of this step, and the switch."""
+def _rounding_keys(inputs: StepInputs, plan: StepPlan) -> jax.Array:
+  """uint32 `(2,)`: mu's and nu's stochastic-rounding keys of this step (read if stochastic)."""
   step = inputs.step if inputs.step is not None else jnp.zeros((), jnp.int32)
   names = [slot.name for slot in plan.rule.slots()]
-  keys = jnp.stack([rounding.step_key(step, names.index(name)) for name in ("mu", "nu")])
-  return {"keys": keys, "stochastic": plan.config.moment_rounding == "stochastic"}
+  return jnp.stack([rounding.step_key(step, names.index(name)) for name in ("mu", "nu")])
 
 
 def _adam_applies(inputs: StepInputs, plan: StepPlan) -> bool:
@@ -216,28 +215,9 @@ def _adam_applies(inputs: StepInputs, plan: StepPlan) -> bool:
 
 
 def _adam_step(inputs: StepInputs, plan: StepPlan) -> RowsStep:
-  f32 = jnp.float32
-  hyper = inputs.hyper
   assert isinstance(plan.rule, AdamRule)
-  coefficients = jnp.stack(
-    [
-      jnp.asarray(hyper.one_minus_b1, f32),
-      jnp.asarray(hyper.one_minus_b2, f32),
-      jnp.asarray(hyper.eps, f32),
-      jnp.asarray(plan.rule.step_size(hyper, inputs.step), f32),
-    ]
-  )
-  distinct_rows, delta, mu, nu = fused_adam(
-    inputs.rows,
-    inputs.values,
-    inputs.tables.slots["mu"],
-    inputs.tables.slots["nu"],
-    coefficients,
-    num_rows=plan.layout.num_rows,
-    maximize=plan.config.maximize,
-    **_rounding_args(inputs, plan),
-  )
-  return RowsStep(distinct_rows, delta, Tables({"mu": mu, "nu": nu}))
+  step_size = plan.rule.step_size(inputs.hyper, inputs.step)  # type: ignore[arg-type]
+  return _moment_step(_FUSED_ADAM, inputs, plan, [step_size])
 
 
 def _rowwise_adam_applies(inputs: StepInputs, plan: StepPlan) -> bool:
@@ -248,116 +228,51 @@ def _rowwise_adam_applies(inputs: StepInputs, plan: StepPlan) -> bool:
 
 
 def _rowwise_adam_step(inputs: StepInputs, plan: StepPlan) -> RowsStep:
-  f32 = jnp.float32
-  hyper = inputs.hyper
   assert inputs.step is not None  # the optax layer counts the steps of this rule
   # The same function, so the same bits, as the rule's own bias corrections.
-  lr_over_bc1, inv_bc2 = bias_corrections(hyper, inputs.step, f32)
-  coefficients = jnp.stack(
-    [
-      jnp.asarray(hyper.one_minus_b1, f32),
-      jnp.asarray(hyper.one_minus_b2, f32),
-      jnp.asarray(hyper.eps, f32),
-      lr_over_bc1,
-      inv_bc2,
-      jnp.asarray(inverse_row_size(math.prod(plan.layout.dense_shape), f32)),
-    ]
-  )
-  distinct_rows, delta, mu, nu = _fused_call(
-    _FUSED_ROWWISE_ADAM,
-    inputs.rows,
-    inputs.values,
-    inputs.tables.slots["mu"],
-    inputs.tables.slots["nu"],
-    coefficients,
-    num_rows=plan.layout.num_rows,
-    maximize=plan.config.maximize,
-    **_rounding_args(inputs, plan),
-  )
-  return RowsStep(distinct_rows, delta, Tables({"mu": mu, "nu": nu}))
+  lr_over_bc1, inv_bc2 = bias_corrections(inputs.hyper, inputs.step, jnp.float32)
+  inv_row_size = inverse_row_size(math.prod(plan.layout.dense_shape), jnp.float32)
+  return _moment_step(_FUSED_ROWWISE_ADAM, inputs, plan, [lr_over_bc1, inv_bc2, inv_row_size])
 
 
-def fused_adam(
-  rows: jax.Array,
-  values: jax.Array,
-  mu: jax.Array,
-  nu: jax.Array,
-  coefficients: jax.Array,
-  *,
-  num_rows: int,
-  maximize: bool,
-  keys: jax.Array | None = None,
-  stochastic: bool = False,
-) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-  """The coalesced Adam step of one table on the CPU (the FFI call).
+def _moment_step(
+  target: str, inputs: StepInputs, plan: StepPlan, coefficients: list[Any]
+) -> RowsStep:
+  """The fused step of a rule whose state is `mu` and `nu`: one FFI call.
 
-  Tables keep their own shapes (a reshape would make XLA copy an operand the
-  kernel updates in place); the kernel views them as `num_rows` rows.
-
-  Args:
-    rows: int32 `(nse,)` row ids; out-of-range ids are padding.
-    values: float32 `(nse, ...)` gradient entries, one row each.
-    mu, nu: float32 or bfloat16 moments of `num_rows` rows; updated in place
-      when donated.
-    coefficients: float32 `(4,)`: `1 - b1`, `1 - b2`, `eps`, the step size.
-    num_rows: the tables' number of rows (the product of their sparse dims).
-    maximize: ascend instead of descend.
-    keys: uint32 `(2,)`, mu's and nu's `rounding.step_key` of this step, read
-      with `stochastic` only (None: zeros).
-    stochastic: round bf16 moments stochastically instead of to nearest.
-
-  Returns:
-    `(rows, delta, mu, nu)`: distinct rows then padding, as `xla.masked_step` with `AdamRule()`.
+  The kernel is given float32 `(1 - b1, 1 - b2, eps, *coefficients)`, the
+  rounding keys of this step and the tables in their own shapes (a reshape would
+  make XLA copy an operand the kernel updates in place); it views them as
+  `num_rows` rows, updates `mu` and `nu` (float32 or bfloat16) in place when
+  donated, and returns the distinct rows then padding and their deltas, as
+  `xla.masked_step` with the same rule.
   """
-  return _fused_call(
-    _FUSED_ADAM,
-    rows,
-    values,
-    mu,
-    nu,
-    coefficients,
-    num_rows=num_rows,
-    maximize=maximize,
-    keys=jnp.zeros((2,), jnp.uint32) if keys is None else keys,
-    stochastic=stochastic,
-  )
-
-
-def _fused_call(
-  target: str,
-  rows: jax.Array,
-  values: jax.Array,
-  mu: jax.Array,
-  nu: jax.Array,
-  coefficients: jax.Array,
-  *,
-  num_rows: int,
-  maximize: bool,
-  keys: jax.Array,
-  stochastic: bool,
-) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-  """The FFI call of a fused step whose state is `mu` and `nu`, updated in place."""
-  nse = rows.shape[0]
+  f32 = jnp.float32
+  hyper = inputs.hyper
+  mu, nu = inputs.tables.slots["mu"], inputs.tables.slots["nu"]
+  coefficients = [hyper.one_minus_b1, hyper.one_minus_b2, hyper.eps, *coefficients]
+  nse = inputs.rows.shape[0]
   out_types = (
     jax.ShapeDtypeStruct((nse,), jnp.int32),
-    jax.ShapeDtypeStruct(values.shape, jnp.float32),
+    jax.ShapeDtypeStruct(inputs.values.shape, f32),
     jax.ShapeDtypeStruct(mu.shape, mu.dtype),
     jax.ShapeDtypeStruct(nu.shape, nu.dtype),
   )
   call = jax.ffi.ffi_call(
     target, out_types, input_output_aliases={2: 2, 3: 3}, vmap_method=_VMAP_METHOD
   )
-  return call(
-    rows,
-    values,
+  distinct_rows, delta, mu, nu = call(
+    inputs.rows,
+    inputs.values,
     mu,
     nu,
-    coefficients,
-    keys.astype(jnp.uint32),
-    num_rows=num_rows,
-    maximize=maximize,
-    stochastic=stochastic,
+    jnp.stack([jnp.asarray(x, f32) for x in coefficients]),
+    _rounding_keys(inputs, plan),
+    num_rows=plan.layout.num_rows,
+    maximize=plan.config.maximize,
+    stochastic=plan.config.moment_rounding == "stochastic",
   )
+  return RowsStep(distinct_rows, delta, Tables({"mu": mu, "nu": nu}))
 
 
 # The rules with a fused kernel, by `RowRule.name`.
