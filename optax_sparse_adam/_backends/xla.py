@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_sparse_adam._core import bcoo, coalesce
+from optax_sparse_adam._core import bcoo, coalesce, rounding
 from optax_sparse_adam._core.rules import RowsStep, StepInputs, StepPlan, Tables
 
 
@@ -68,6 +68,13 @@ def masked_step(
     step = step.reshape(step.shape + (1,) * len(layout.dense_shape))
     row_step = bcoo.scatter_rows(row_step, rows, new_row_steps)
 
+  store = rounding.slot_store(
+    config.moment_rounding,
+    slot_names=tuple(slot.name for slot in slots),
+    dtypes={slot.name: tables.slots[slot.name].dtype for slot in slots},
+    step=inputs.step,
+    rows=rows,
+  )
   delta, new_rows = rule.update(
     g,
     {slot.name: old for slot, old in zip(slots, old_rows, strict=True)},
@@ -75,6 +82,7 @@ def masked_step(
     inputs.hyper,
     compute_dtype=compute_dtype,
     opaque_zero=inputs.opaque_zero,
+    store=store,
   )
   if config.weight_decay == "decoupled":
     assert param_rows is not None

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from optax_sparse_adam._core.errors import is_python_number
+from optax_sparse_adam._core.rounding import SlotStore, nearest_store
 from optax_sparse_adam._core.rules import Slot
 
 Scalar = float | jax.Array
@@ -192,6 +193,7 @@ class AdamRule:
     *,
     compute_dtype: Any,
     opaque_zero: jax.Array | None,
+    store: SlotStore | None = None,
   ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """The moments and the parameter delta of the rows, in torch's order of operations.
 
@@ -206,12 +208,13 @@ class AdamRule:
     def r(x):
       return rounded(x, opaque_zero)
 
+    store = store or nearest_store(slot_rows)
     mu_rows, nu_rows = slot_rows["mu"], slot_rows["nu"]
     g = grad.astype(compute_dtype)
     m = mu_rows.astype(compute_dtype)
     v = nu_rows.astype(compute_dtype)
-    mu_new = (m + r((g - m) * c(hyper.one_minus_b1))).astype(mu_rows.dtype)
-    nu_new = (v + r((r(g * g) - v) * c(hyper.one_minus_b2))).astype(nu_rows.dtype)
+    mu_new = store("mu", m + r((g - m) * c(hyper.one_minus_b1)))
+    nu_new = store("nu", v + r((r(g * g) - v) * c(hyper.one_minus_b2)))
     new_rows = {"mu": mu_new, "nu": nu_new}
     second = nu_new
     if self.amsgrad:

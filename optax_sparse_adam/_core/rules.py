@@ -11,7 +11,8 @@ shares or matches bit for bit):
   s[name]   = slot tables gathered at the rows   (for each of `rule.slots()`)
   g         = -g if maximize;  g += wd * p[rows] if L2 weight decay
   t         = the parameter's step, or each row's own (per-row step counts)
-  delta, s' = rule.update(g, s, t, hyper)
+  delta, s' = rule.update(g, s, t, hyper, store=...)   (s' rounded to each
+                                                  slot's dtype by `store`)
   delta    -= lr * wd * p[rows] if decoupled weight decay
   slot tables[rows] = s'                         (touched rows only)
 
@@ -32,6 +33,7 @@ from jax.sharding import PartitionSpec
 
 from optax_sparse_adam._core import sharding
 from optax_sparse_adam._core.bcoo import RowLayout
+from optax_sparse_adam._core.rounding import MomentRounding, SlotStore
 
 WeightDecay = Literal["none", "l2", "decoupled"]
 
@@ -78,6 +80,7 @@ class RowRule(Protocol):
     *,
     compute_dtype: Any,
     opaque_zero: jax.Array | None,
+    store: SlotStore | None = None,
   ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """The update of a block of `n` coalesced rows.
 
@@ -93,6 +96,10 @@ class RowRule(Protocol):
       compute_dtype: the dtype of the arithmetic.
       opaque_zero: an int32 zero known only at run time, or None; when given,
         products are rounded before they are added (`adam.rounded`).
+      store: `store(name, rows)` rounds a slot's new rows (in `compute_dtype`)
+        to the slot's dtype, as the step's `StepConfig.moment_rounding` asks;
+        a rule computes with the stored values, as they will be read back.
+        None: `astype` (round to nearest).
 
     Returns:
       `(delta, new_slot_rows)`: the signed parameter update of each row (before
@@ -111,11 +118,14 @@ class StepConfig(NamedTuple):
     weight_decay: "none"; "l2" (`g += wd * p`, before the rule); or
       "decoupled" (`delta -= lr * wd * p`, after it), on the touched rows.
     compute_dtype: the dtype of the arithmetic (float32 or wider).
+    moment_rounding: how new slot rows are rounded to a narrower storage
+      dtype: "nearest", or "stochastic" (`_core.rounding`; bf16 slots).
   """
 
   maximize: bool = False
   weight_decay: WeightDecay = "none"
   compute_dtype: Any = jnp.dtype(jnp.float32)
+  moment_rounding: MomentRounding = "nearest"
 
 
 class StepPlan(NamedTuple):

@@ -161,7 +161,7 @@ def masked_leaf_step(
   """
   param_shape = _param_shape(tables, rule)
   layout = bcoo.row_layout(grad, param_shape, path)
-  _check_tables(tables, layout, config, path)
+  _check_tables(tables, layout, config, path, rule)
   compute_dtype = jnp.result_type(
     jnp.float32, grad.dtype, *(table.dtype for table in tables.slots.values())
   )
@@ -221,8 +221,10 @@ def _param_shape(tables: Tables, rule: RowRule) -> tuple[int, ...]:
   return tuple(jnp.shape(tables.param))
 
 
-def _check_tables(tables: Tables, layout: bcoo.RowLayout, config: StepConfig, path: tuple) -> None:
-  """Refuses a step that lacks the parameter for weight decay, or has row steps of another size."""
+def _check_tables(
+  tables: Tables, layout: bcoo.RowLayout, config: StepConfig, path: tuple, rule: RowRule
+) -> None:
+  """Refuses a step that lacks the parameter for weight decay, or per-row arrays of another size."""
   if config.weight_decay != "none" and tables.param is None:
     raise ValueError(
       f"Parameter at {path_str(path)} is needed for weight decay: pass params "
@@ -236,6 +238,15 @@ def _check_tables(tables: Tables, layout: bcoo.RowLayout, config: StepConfig, pa
       f"{row_step.shape[0]} row steps, one per index of the leading dim. Use "
       "n_sparse=1 gradients (bcoo_update_layout(grad, n_dense=ndim - 1))."
     )
+  for slot in rule.slots():
+    table = tables.slots[slot.name]
+    if slot.per_row and tuple(table.shape) != (layout.num_rows,):
+      raise ValueError(
+        f"Sparse gradient at {path_str(path)} indexes {layout.num_rows} rows "
+        f"(sparse dims {layout.sparse_shape}) but the {rule.name!r} rule keeps one "
+        f"{slot.name!r} value per row, {tuple(table.shape)}, one per index of the "
+        "leading dim. Use n_sparse=1 gradients (bcoo_update_layout(grad, n_dense=ndim - 1))."
+      )
 
 
 def scatter_add_bcoo(param: jax.Array, update: sparse.BCOO, path: Sequence[Any] = ()) -> jax.Array:

@@ -11,7 +11,7 @@ import numpy as np
 import optax
 from jax.experimental import sparse
 
-from optax_sparse_adam._core import adam, bcoo, rules, sharding
+from optax_sparse_adam._core import adam, bcoo, rounding, rules, sharding
 from optax_sparse_adam._core.adam import AdamRule, LeafState
 from optax_sparse_adam._core.errors import (
   describe,
@@ -21,6 +21,8 @@ from optax_sparse_adam._core.errors import (
   path_str,
 )
 from optax_sparse_adam._core.hyperparams import check_hyperparams, moment_dtype
+from optax_sparse_adam._core.rounding import MomentRounding
+from optax_sparse_adam._core.rowwise_adam import RowwiseAdamRule
 from optax_sparse_adam._optax import leaf
 
 ScalarOrSchedule: TypeAlias = float | jax.Array | optax.Schedule
@@ -43,8 +45,10 @@ class SparseAdamState(NamedTuple):
       parameter's sharding is never given to its counter. Read it per
       parameter as `step`.
     mu: per parameter, the first moment (torch's `exp_avg`).
-    nu: per parameter, the second moment (torch's `exp_avg_sq`).
-    nu_max: per parameter, the running max of `nu` with `amsgrad=True`, else None.
+    nu: per parameter, the second moment (torch's `exp_avg_sq`); with
+      `rowwise_second_moment=True`, one value per row, shape `(num_rows,)`.
+    nu_max: per parameter, the running max of `nu` (of `nu`'s shape) with
+      `amsgrad=True`, else None.
     row_step: per parameter, int32 steps of each row with
       `per_row_bias_correction=True`, else None.
   """
@@ -122,9 +126,13 @@ class SparseAdamOptions(NamedTuple):
   per_row_bias_correction: bool
   mu_dtype: Any
   nu_dtype: Any
+  rowwise_second_moment: bool = False
+  moment_rounding: MomentRounding = "nearest"
 
   @property
-  def rule(self) -> AdamRule:
+  def rule(self) -> AdamRule | RowwiseAdamRule:
+    if self.rowwise_second_moment:
+      return RowwiseAdamRule(amsgrad=self.amsgrad)
     return AdamRule(amsgrad=self.amsgrad)
 
 
@@ -135,6 +143,15 @@ def _init_state(params: optax.Params, options: SparseAdamOptions) -> SparseAdamS
   states = []
   for path, param in leaves_with_path:
     bcoo.check_param_dtype(param, path)
+    if options.moment_rounding == "stochastic":
+      for name in ("mu", "nu"):
+        dtype = dtypes[name] or param.dtype
+        if not rounding.stochastic_supported(dtype):
+          raise ValueError(
+            f"moment_rounding='stochastic' rounds moments to bfloat16 only, but the "
+            f"{name} of the parameter at {path_str(path)} would be {jnp.dtype(dtype)}: "
+            f"set {name}_dtype=jnp.bfloat16 (or float32), or moment_rounding='nearest'."
+          )
     tables = rules.init_tables(
       options.rule, param, dtypes=dtypes, per_row_steps=options.per_row_bias_correction
     )
@@ -244,10 +261,12 @@ def _scale_by_sparse_adam(options: SparseAdamOptions) -> optax.GradientTransform
     mu_dtype=moment_dtype(options.mu_dtype, "mu_dtype"),
     nu_dtype=moment_dtype(options.nu_dtype, "nu_dtype"),
   )
+  rounding.check_rounding(options.moment_rounding)
   rule = options.rule
   config = rules.StepConfig(
     maximize=options.maximize,
     weight_decay=leaf.weight_decay_mode(weight_decay, decoupled=options.decoupled_weight_decay),
+    moment_rounding=options.moment_rounding,
   )
 
   def init_fn(params: optax.Params) -> SparseAdamState:
@@ -334,6 +353,8 @@ def sparse_adam(
   per_row_bias_correction: bool = False,
   mu_dtype: Any = None,
   nu_dtype: Any = None,
+  rowwise_second_moment: bool = False,
+  moment_rounding: MomentRounding = "nearest",
 ) -> optax.GradientTransformationExtraArgs:
   r"""Masked Adam for BCOO gradients, with the numerics of `torch.optim.SparseAdam`.
 
@@ -382,6 +403,25 @@ def sparse_adam(
       costs one int32 per row of state.
     mu_dtype: dtype of the first moment; default the parameter's.
     nu_dtype: dtype of the second moment; default the parameter's.
+    rowwise_second_moment: keep one second moment per row (FBGEMM's
+      PARTIAL_ROWWISE_ADAM, `RowwiseAdamRule`): :math:`v_r \leftarrow v_r +
+      (1 - \beta_2)(\mathrm{mean}(g_r^2) - v_r)` over the row's values, and
+      :math:`u_r = -\alpha \hat m_r / (\sqrt{\hat v_r} + \epsilon)` with both
+      moments bias-corrected (:math:`\epsilon` outside the corrected root, as in
+      FBGEMM and `optax.adam`). The state's `nu` is then `(num_rows,)`: about
+      half the memory of full Adam. Gradients must index rows by the leading
+      dim only (`n_sparse=1`). Not torch's SparseAdam: off by default.
+    moment_rounding: how moments kept in bfloat16 (`mu_dtype`/`nu_dtype`) are
+      rounded when stored: "nearest" (the default) or "stochastic". Rounded to
+      nearest, an update below half a bf16 ulp (2^-9 of the moment) is lost
+      every step, so a slowly moving moment stalls (`v` stops tracking a
+      shrinking :math:`g^2` once :math:`|g^2 - v| < 2v` at `b2=0.999`).
+      Stochastic rounding rounds up with probability equal to the dropped
+      fraction, unbiased in expectation, with random bits hashed from the
+      parameter's step count, the row and the element: the same bits in every
+      run, continued by a resumed run. "nearest" is the default because it is
+      what a cast does (the results of bf16 moments stay as they were) and
+      costs no hashing; with float32 moments the two are the same.
 
   Returns:
     An `optax.GradientTransformationExtraArgs` whose state is a `SparseAdamState`;
@@ -422,6 +462,8 @@ def sparse_adamw(
   per_row_bias_correction: bool = False,
   mu_dtype: Any = None,
   nu_dtype: Any = None,
+  rowwise_second_moment: bool = False,
+  moment_rounding: MomentRounding = "nearest",
 ) -> optax.GradientTransformationExtraArgs:
   r"""`sparse_adam` with decoupled weight decay, applied to the touched rows only.
 
@@ -443,6 +485,11 @@ def sparse_adamw(
     per_row_bias_correction: per-row step counts for the bias correction.
     mu_dtype: dtype of the first moment; default the parameter's.
     nu_dtype: dtype of the second moment; default the parameter's.
+    rowwise_second_moment: one second moment per row, as in `sparse_adam`;
+      with it, `sparse_adamw` is FBGEMM's PARTIAL_ROWWISE_ADAM with its weight
+      decay.
+    moment_rounding: "nearest" or "stochastic", for bf16 moments (see
+      `sparse_adam`).
 
   Returns:
     As `sparse_adam`: an `optax.GradientTransformationExtraArgs` (extra keyword

@@ -99,8 +99,13 @@ CPU_PATHS = pytest.mark.parametrize(
 @CPU_PATHS
 @pytest.mark.parametrize(
   "options",
-  [{}, {"amsgrad": True, "weight_decay": 0.1, "per_row_bias_correction": True}],
-  ids=["default", "amsgrad_l2_per_row"],
+  [
+    {},
+    {"amsgrad": True, "weight_decay": 0.1, "per_row_bias_correction": True},
+    {"rowwise_second_moment": True},
+    {"rowwise_second_moment": True, "amsgrad": True, "weight_decay": 0.1},
+  ],
+  ids=["default", "amsgrad_l2_per_row", "rowwise", "rowwise_amsgrad_l2"],
 )
 def test_donated_step_has_no_table_sized_temporaries(options, cpu_kernels):
   rng = np.random.default_rng(0)
@@ -124,17 +129,42 @@ def test_donated_step_in_place_for_every_layout_and_many_tables(cpu_kernels):
   _assert_in_place(osa.sparse_adam(1e-3), params, grads, cpu_kernels=cpu_kernels)
 
 
-@pytest.mark.xfail(
-  BACKEND == "cpu",
-  strict=True,
-  reason="XLA:CPU has no bfloat16 scatter: it converts the whole bf16 moment table "
-  "to float32 and back around each scatter (see the README, Performance)",
+@pytest.mark.parametrize(
+  "cpu_kernels",
+  [
+    pytest.param(
+      True,
+      id="kernels",
+      marks=pytest.mark.skipif(
+        BACKEND != "cpu", reason=f"the CPU kernels run on the CPU only; this backend is {BACKEND}"
+      ),
+    ),
+    pytest.param(
+      False,
+      id="xla_ops",
+      marks=pytest.mark.xfail(
+        BACKEND == "cpu",
+        strict=True,
+        reason="XLA:CPU has no bfloat16 scatter: it converts the whole bf16 moment table "
+        "to float32 and back around each scatter (the fused CPU kernels store bf16 in place)",
+      ),
+    ),
+  ],
 )
-def test_bf16_moments_in_place():
+@pytest.mark.parametrize("moment_rounding", ["nearest", "stochastic"])
+@pytest.mark.parametrize("rowwise", [False, True], ids=["full", "rowwise"])
+def test_bf16_moments_in_place(cpu_kernels, moment_rounding, rowwise):
   rng = np.random.default_rng(4)
   params = {"table": jnp.zeros((NUM_ROWS, DIM), jnp.float32)}
   grads = {"table": _grad((NUM_ROWS, DIM), 1, rng)}
-  _assert_in_place(osa.sparse_adam(1e-3, mu_dtype=jnp.bfloat16), params, grads)
+  opt = osa.sparse_adam(
+    1e-3,
+    mu_dtype=jnp.bfloat16,
+    nu_dtype=jnp.bfloat16,
+    moment_rounding=moment_rounding,
+    rowwise_second_moment=rowwise,
+  )
+  _assert_in_place(opt, params, grads, cpu_kernels=cpu_kernels)
 
 
 @CPU_PATHS

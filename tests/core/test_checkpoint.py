@@ -27,6 +27,25 @@ CONFIGS = {
     osa.sparse_adamw(0.05, weight_decay=0.1, mu_dtype=jnp.float32, nu_dtype=jnp.float32),
     jnp.bfloat16,
   ),
+  "rowwise_amsgrad_per_row_schedule": lambda: (
+    osa.sparse_adam(
+      optax.linear_schedule(0.1, 0.01, STEPS),
+      amsgrad=True,
+      per_row_bias_correction=True,
+      rowwise_second_moment=True,
+    ),
+    jnp.float32,
+  ),
+  "rowwise_bf16_stochastic": lambda: (
+    osa.sparse_adam(
+      0.05,
+      mu_dtype=jnp.bfloat16,
+      nu_dtype=jnp.bfloat16,
+      moment_rounding="stochastic",
+      rowwise_second_moment=True,
+    ),
+    jnp.float32,
+  ),
   "apply_if_finite": lambda: (
     optax.apply_if_finite(osa.sparse_adam(0.05), max_consecutive_errors=2),
     jnp.float32,

@@ -1,14 +1,16 @@
-// Fused CPU kernels of the masked Adam step, called from XLA through its FFI.
+// Fused CPU kernels of the masked step, called from XLA through its FFI: one
+// variant per row rule that has one (Adam, row-wise Adam), and the scatter-add.
 //
 // XLA:CPU emits gathers and scatters as element-by-element loops, and a masked
 // step needs seven of them over the touched rows. These kernels do the same
 // work in one pass per table: coalesce the gradient's row ids (a stable radix
-// sort), then for each distinct row read m and v once, update them in place and
-// write the parameter delta. The arithmetic is `AdamRule.update` in _core/adam.py,
-// operation for operation: every product and sum is rounded on its own
-// (compiled with -ffp-contract=off, so no FMA), square root and division are
-// IEEE, and duplicate entries are summed in input order starting from +0.0, as
-// XLA's scatter-add does. Tests check the two paths agree bit for bit.
+// sort), then for each distinct row read its state once, update it in place and
+// write the parameter delta. The arithmetic is the rule's `update` (`AdamRule`
+// in _core/adam.py, `RowwiseAdamRule` in _core/rowwise_adam.py), operation for
+// operation: every product and sum is rounded on its own (compiled with
+// -ffp-contract=off, so no FMA), square root and division are IEEE, and
+// duplicate entries are summed in input order starting from +0.0, as XLA's
+// scatter-add does. Tests check the two paths agree bit for bit.
 
 #include <algorithm>
 #include <atomic>
@@ -19,6 +21,7 @@
 #include <memory>
 #include <string>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
@@ -32,16 +35,24 @@ namespace ffi = xla::ffi;
 #else
 #define OSA_MULTIVERSIONED
 #endif
+// Clang cannot clone templates; there the row templates keep the baseline ISA.
+#if defined(__clang__)
+#define OSA_MULTIVERSIONED_TEMPLATE
+#else
+#define OSA_MULTIVERSIONED_TEMPLATE OSA_MULTIVERSIONED
+#endif
 
 namespace {
 
 // Rows prefetched ahead of the one being updated: enough loads in flight to
 // hide DRAM latency on random rows, few enough to stay in L1.
 constexpr int64_t kPrefetchRows = 8;
-constexpr int64_t kFloatsPerLine = 16;
+constexpr int64_t kBytesPerLine = 64;
 
-inline void PrefetchRow(const float* row, int64_t row_size) {
-  for (int64_t j = 0; j < row_size; j += kFloatsPerLine) __builtin_prefetch(row + j, 1);
+template <typename T>
+inline void PrefetchRow(const T* row, int64_t row_size) {
+  constexpr int64_t kPerLine = kBytesPerLine / sizeof(T);
+  for (int64_t j = 0; j < row_size; j += kPerLine) __builtin_prefetch(row + j, 1);
 }
 
 // Random row accesses are bound by memory latency, so each core adds loads in
@@ -129,18 +140,70 @@ int64_t SortRows(const int32_t* rows, int64_t nse, int64_t num_rows,
   return n;
 }
 
-// The moment and parameter arithmetic of one row, in AdamRule.update's order.
-OSA_MULTIVERSIONED void AdamRow(
-    float* __restrict__ g, float* __restrict__ m, float* __restrict__ v, int64_t row_size,
-    bool maximize, float one_minus_b1, float one_minus_b2, float eps, float neg_step_size) {
+// Moments are stored as float32 or as bfloat16 (its bits in a uint16_t); the
+// arithmetic is float32 either way.
+inline float ToFloat(float x) { return x; }
+inline float ToFloat(uint16_t bits) {
+  const uint32_t word = static_cast<uint32_t>(bits) << 16;
+  float x;
+  std::memcpy(&x, &word, sizeof(x));
+  return x;
+}
+
+// MurmurHash3's 32-bit finalizer, as `rounding.fmix32`.
+inline uint32_t Fmix32(uint32_t x) {
+  x ^= x >> 16;
+  x *= 0x85EBCA6Bu;
+  x ^= x >> 13;
+  x *= 0xC2B2AE35u;
+  return x ^ (x >> 16);
+}
+
+// The key of one row of one slot for stochastic rounding (`rounding.random_bits`).
+inline uint32_t RowKey(uint32_t slot_key, int64_t row) {
+  return Fmix32(slot_key ^ (static_cast<uint32_t>(row) * 0x85EBCA77u));
+}
+
+// Stores `x` in `*dst`'s format and returns the stored value. For bfloat16,
+// `kStochastic` rounds with the bits hashed from `row_key` and the element `j`,
+// else to nearest, ties to even. Branch-free but for the template switch, so
+// the row loops vectorize: an inf's low 16 bits are zero, so adding at most
+// 0xFFFF keeps it inf; only NaN is replaced, by the quiet NaN of its sign, as
+// XLA converts it.
+template <bool kStochastic>
+inline float StoreMoment(float* dst, float x, uint32_t, int64_t) {
+  *dst = x;
+  return x;
+}
+template <bool kStochastic>
+inline float StoreMoment(uint16_t* dst, float x, uint32_t row_key, int64_t j) {
+  uint32_t word;
+  std::memcpy(&word, &x, sizeof(word));
+  const uint32_t add = kStochastic
+      ? Fmix32(row_key ^ (static_cast<uint32_t>(j) * 0xC2B2AE3Du)) >> 16
+      : 0x7FFFu + ((word >> 16) & 1u);
+  const uint32_t rounded = (word + add) >> 16;
+  const uint32_t quiet_nan = ((word >> 16) & 0x8000u) | 0x7FC0u;
+  const uint16_t bits =
+      static_cast<uint16_t>((word & 0x7FFFFFFFu) > 0x7F800000u ? quiet_nan : rounded);
+  *dst = bits;
+  return ToFloat(bits);
+}
+
+// The moment and parameter arithmetic of one row, in AdamRule.update's order;
+// the delta is computed from the moments as stored.
+template <typename MuT, typename NuT, bool kStochastic>
+OSA_MULTIVERSIONED_TEMPLATE void AdamRow(
+    float* __restrict__ g, MuT* __restrict__ m, NuT* __restrict__ v, int64_t row_size,
+    bool maximize, float one_minus_b1, float one_minus_b2, float eps, float neg_step_size,
+    uint32_t m_key, uint32_t v_key) {
   for (int64_t j = 0; j < row_size; ++j) {
     const float gj = maximize ? -g[j] : g[j];  // a negation, as in XLA: NaNs flip sign too
-    const float mj = m[j];
-    const float vj = v[j];
-    const float m_new = mj + (gj - mj) * one_minus_b1;
-    const float v_new = vj + (gj * gj - vj) * one_minus_b2;
-    m[j] = m_new;
-    v[j] = v_new;
+    const float mj = ToFloat(m[j]);
+    const float vj = ToFloat(v[j]);
+    const float m_new = StoreMoment<kStochastic>(&m[j], mj + (gj - mj) * one_minus_b1, m_key, j);
+    const float v_new =
+        StoreMoment<kStochastic>(&v[j], vj + (gj * gj - vj) * one_minus_b2, v_key, j);
     g[j] = neg_step_size * (m_new / (std::sqrt(v_new) + eps));
   }
 }
@@ -150,49 +213,56 @@ OSA_MULTIVERSIONED void AddRow(
   for (int64_t j = 0; j < row_size; ++j) dst[j] += src[j];
 }
 
-// The row size of a table viewed as `num_rows` rows (its leading dims), or -1.
-int64_t RowSize(const ffi::Buffer<ffi::F32>& table, int64_t num_rows) {
-  const int64_t count = static_cast<int64_t>(table.element_count());
-  if (num_rows <= 0 || count % num_rows != 0) return -1;
-  return count / num_rows;
+// The row size of a table of `count` values viewed as `num_rows` rows (its
+// leading dims), or -1.
+int64_t RowSize(size_t count, int64_t num_rows) {
+  const int64_t n = static_cast<int64_t>(count);
+  if (num_rows <= 0 || n % num_rows != 0) return -1;
+  return n / num_rows;
 }
 
-// Tables come in their own shapes (a reshape would make XLA copy an aliased
-// operand) and are viewed as `num_rows` rows of `row_size` contiguous values.
-// Inputs: rows int32 (nse,), values f32 (nse, ...) of nse * row_size values,
-// mu and nu f32 tables, coeffs f32 (4,) = (1 - b1, 1 - b2, eps, step_size).
+// Runs `body(MuT{}, NuT{}, Stochastic{})` with the storage types of mu and nu
+// (float for F32, uint16_t for BF16) and `Stochastic::value == stochastic`.
+template <typename Body>
+ffi::Error WithMomentTypes(ffi::DataType mu, ffi::DataType nu, bool stochastic, Body body) {
+  const auto storable = [](ffi::DataType t) {
+    return t == ffi::DataType::F32 || t == ffi::DataType::BF16;
+  };
+  if (!storable(mu) || !storable(nu)) {
+    return ffi::Error::InvalidArgument("mu and nu must be float32 or bfloat16");
+  }
+  const auto with_nu = [&](auto mu_t, auto rounding) {
+    if (nu == ffi::DataType::F32) return body(mu_t, float{}, rounding);
+    return body(mu_t, uint16_t{}, rounding);
+  };
+  const auto with_mu = [&](auto rounding) {
+    if (mu == ffi::DataType::F32) return with_nu(float{}, rounding);
+    return with_nu(uint16_t{}, rounding);
+  };
+  if (stochastic) return with_mu(std::true_type{});
+  return with_mu(std::false_type{});
+}
+
+// Copies a table into XLA's output buffer where they differ (no donation).
+void CopyIfNotAliased(const ffi::AnyBuffer& in, ffi::Result<ffi::AnyBuffer>& out) {
+  if (out->untyped_data() != in.untyped_data()) {
+    std::memcpy(out->untyped_data(), in.untyped_data(), in.size_bytes());
+  }
+}
+
+// Coalesces a gradient's rows and runs `update(row, g)` on each distinct row.
+//
+// `g` is the row's summed gradient, written into the delta output (the update
+// turns it into the row's delta). Distinct rows are disjoint, so chunks of them
+// run in parallel. `prefetch(row)` is called a few rows ahead of each update.
 // Outputs: the distinct rows in ascending order then num_rows + slot for
-// padding slots; the deltas of those rows (zero in padding); mu and nu, updated
-// in the touched rows (aliased to the inputs, so in place when donated).
-ffi::Error FusedAdamImpl(ffi::Buffer<ffi::S32> rows, ffi::Buffer<ffi::F32> values,
-                        ffi::Buffer<ffi::F32> mu, ffi::Buffer<ffi::F32> nu,
-                        ffi::Buffer<ffi::F32> coeffs, int64_t num_rows, bool maximize,
-                        ffi::ThreadPool pool,
-                        ffi::ResultBuffer<ffi::S32> distinct_rows, ffi::ResultBuffer<ffi::F32> delta,
-                        ffi::ResultBuffer<ffi::F32> mu_out, ffi::ResultBuffer<ffi::F32> nu_out) {
-  const int64_t nse = static_cast<int64_t>(rows.element_count());
-  const int64_t row_size = RowSize(mu, num_rows);
-  if (row_size < 0 || RowSize(nu, num_rows) != row_size) {
-    return ffi::Error::InvalidArgument("mu and nu must hold num_rows rows of equal size");
-  }
-  if (static_cast<int64_t>(values.element_count()) != nse * row_size) {
-    return ffi::Error::InvalidArgument("values must hold nse rows of the tables' row size");
-  }
-  if (coeffs.element_count() != 4) return ffi::Error::InvalidArgument("coeffs must be (4,)");
-
-  float* m = mu_out->typed_data();
-  float* v = nu_out->typed_data();
-  // Without donation XLA gives fresh output buffers: start from the inputs.
-  if (m != mu.typed_data()) std::memcpy(m, mu.typed_data(), mu.size_bytes());
-  if (v != nu.typed_data()) std::memcpy(v, nu.typed_data(), nu.size_bytes());
-  const float* c = coeffs.typed_data();
-  const float neg_step_size = -c[3];
-  const float* val = values.typed_data();
-  int32_t* out_rows = distinct_rows->typed_data();
-  float* out = delta->typed_data();
-
+// padding slots; the deltas of those rows (zero in padding).
+template <typename Prefetch, typename Update>
+void CoalescedRowsStep(const int32_t* rows, int64_t nse, const float* values, int64_t num_rows,
+                       int64_t row_size, ffi::ThreadPool& pool, int32_t* out_rows, float* out,
+                       Prefetch prefetch, Update update) {
   std::vector<uint32_t> sorted_rows, position;
-  const int64_t n = SortRows(rows.typed_data(), nse, num_rows, sorted_rows, position);
+  const int64_t n = SortRows(rows, nse, num_rows, sorted_rows, position);
   // Start of each run of equal rows, and the run's row.
   std::vector<int64_t> starts;
   starts.reserve(n + 1);
@@ -202,27 +272,21 @@ ffi::Error FusedAdamImpl(ffi::Buffer<ffi::S32> rows, ffi::Buffer<ffi::F32> value
   const int64_t num_unique = static_cast<int64_t>(starts.size());
   starts.push_back(n);
 
-  // Distinct rows are disjoint: chunks of them update m, v and delta independently.
   const int64_t num_chunks = std::max<int64_t>(
       1, std::min<int64_t>(num_unique, kChunksPerThread * (pool.num_threads() + 1)));
   auto run_chunk = [&](int64_t chunk) {
     const int64_t begin = num_unique * chunk / num_chunks;
     const int64_t end = num_unique * (chunk + 1) / num_chunks;
     for (int64_t s = begin; s < end; ++s) {
-      if (s + kPrefetchRows < end) {
-        const int64_t ahead = sorted_rows[starts[s + kPrefetchRows]];
-        PrefetchRow(m + ahead * row_size, row_size);
-        PrefetchRow(v + ahead * row_size, row_size);
-      }
+      if (s + kPrefetchRows < end) prefetch(sorted_rows[starts[s + kPrefetchRows]]);
       const int64_t row = sorted_rows[starts[s]];
       out_rows[s] = static_cast<int32_t>(row);
       float* g = out + s * row_size;
       std::memset(g, 0, sizeof(float) * row_size);
       for (int64_t e = starts[s]; e < starts[s + 1]; ++e) {
-        AddRow(g, val + static_cast<int64_t>(position[e]) * row_size, row_size);
+        AddRow(g, values + static_cast<int64_t>(position[e]) * row_size, row_size);
       }
-      AdamRow(g, m + row * row_size, v + row * row_size, row_size, maximize, c[0], c[1], c[2],
-              neg_step_size);
+      update(row, g);
     }
   };
   ParallelFor(pool, num_chunks, num_unique * row_size, run_chunk);
@@ -230,7 +294,165 @@ ffi::Error FusedAdamImpl(ffi::Buffer<ffi::S32> rows, ffi::Buffer<ffi::F32> value
     out_rows[s] = static_cast<int32_t>(num_rows + s);
     std::memset(out + s * row_size, 0, sizeof(float) * row_size);
   }
-  return ffi::Error::Success();
+}
+
+// The buffers of a fused moment step. Tables come in their own shapes (a
+// reshape would make XLA copy an aliased operand) and are viewed as `num_rows`
+// rows of `row_size` contiguous values. Inputs: rows int32 (nse,), values f32
+// (nse, ...) of nse * row_size values, mu (a table) and nu (a table, or one
+// value per row) in f32 or bf16, coeffs f32 = (1 - b1, 1 - b2, eps, then the
+// rule's), keys u32 (2,): mu's and nu's keys of this step for stochastic
+// rounding (`rounding.step_key`), read when `stochastic` (bf16 tables only).
+// Outputs: as `CoalescedRowsStep`; mu and nu, updated in the touched rows
+// (aliased to the inputs, so in place when donated).
+struct MomentStep {
+  ffi::Buffer<ffi::S32> rows;
+  ffi::Buffer<ffi::F32> values;
+  ffi::AnyBuffer mu;
+  ffi::AnyBuffer nu;
+  ffi::Buffer<ffi::F32> coeffs;
+  ffi::Buffer<ffi::U32> keys;
+  int64_t num_rows;
+  bool stochastic;
+  ffi::ThreadPool& pool;
+  ffi::ResultBuffer<ffi::S32>& distinct_rows;
+  ffi::ResultBuffer<ffi::F32>& delta;
+  ffi::Result<ffi::AnyBuffer>& mu_out;
+  ffi::Result<ffi::AnyBuffer>& nu_out;
+};
+
+// Checks a step's buffers, starts undonated outputs from the inputs, and runs
+// `update(m, v, g, m_key, v_key)` on each distinct row with typed pointers to
+// its moments (`Stochastic` in the update's template arguments). `nu_per_row`:
+// nu holds one value per row instead of a row.
+template <int kNumCoeffs, bool kNuPerRow, typename Update>
+ffi::Error RunMomentStep(MomentStep& step, Update update) {
+  const int64_t nse = static_cast<int64_t>(step.rows.element_count());
+  const int64_t row_size = RowSize(step.mu.element_count(), step.num_rows);
+  const int64_t nu_row_size = kNuPerRow ? 1 : row_size;
+  if (row_size < 0 || RowSize(step.nu.element_count(), step.num_rows) != nu_row_size) {
+    return ffi::Error::InvalidArgument("mu and nu must hold num_rows rows of the rule's sizes");
+  }
+  if (static_cast<int64_t>(step.values.element_count()) != nse * row_size) {
+    return ffi::Error::InvalidArgument("values must hold nse rows of the tables' row size");
+  }
+  if (step.coeffs.element_count() != kNumCoeffs) {
+    return ffi::Error::InvalidArgument("coeffs has the wrong size for this rule");
+  }
+  if (step.keys.element_count() != 2) return ffi::Error::InvalidArgument("keys must be (2,)");
+  // Without donation XLA gives fresh output buffers: start from the inputs.
+  CopyIfNotAliased(step.mu, step.mu_out);
+  CopyIfNotAliased(step.nu, step.nu_out);
+  const uint32_t mu_key = step.keys.typed_data()[0];
+  const uint32_t nu_key = step.keys.typed_data()[1];
+  const auto run = [&](auto mu_t, auto nu_t, auto rounding) {
+    using MuT = decltype(mu_t);
+    using NuT = decltype(nu_t);
+    constexpr bool kStochastic = decltype(rounding)::value;
+    MuT* m = static_cast<MuT*>(step.mu_out->untyped_data());
+    NuT* v = static_cast<NuT*>(step.nu_out->untyped_data());
+    CoalescedRowsStep(
+        step.rows.typed_data(), nse, step.values.typed_data(), step.num_rows, row_size, step.pool,
+        step.distinct_rows->typed_data(), step.delta->typed_data(),
+        [&](int64_t row) {
+          PrefetchRow(m + row * row_size, row_size);
+          PrefetchRow(v + row * nu_row_size, nu_row_size);
+        },
+        [&](int64_t row, float* g) {
+          update(rounding, m + row * row_size, v + row * nu_row_size, g, row_size,
+                 kStochastic ? RowKey(mu_key, row) : 0u, kStochastic ? RowKey(nu_key, row) : 0u);
+        });
+    return ffi::Error::Success();
+  };
+  return WithMomentTypes(step.mu.element_type(), step.nu.element_type(), step.stochastic, run);
+}
+
+// The Adam step; coeffs f32 (4,) = (1 - b1, 1 - b2, eps, step_size).
+ffi::Error FusedAdamImpl(ffi::Buffer<ffi::S32> rows, ffi::Buffer<ffi::F32> values,
+                        ffi::AnyBuffer mu, ffi::AnyBuffer nu, ffi::Buffer<ffi::F32> coeffs,
+                        ffi::Buffer<ffi::U32> keys, int64_t num_rows, bool maximize,
+                        bool stochastic, ffi::ThreadPool pool,
+                        ffi::ResultBuffer<ffi::S32> distinct_rows, ffi::ResultBuffer<ffi::F32> delta,
+                        ffi::Result<ffi::AnyBuffer> mu_out, ffi::Result<ffi::AnyBuffer> nu_out) {
+  MomentStep step{rows,       values, mu,   nu,            coeffs, keys,   num_rows,
+                  stochastic, pool,   distinct_rows, delta, mu_out, nu_out};
+  const float* c = coeffs.typed_data();
+  const float neg_step_size = -c[3];
+  return RunMomentStep<4, false>(
+      step, [&](auto rounding, auto* m, auto* v, float* g, int64_t row_size, uint32_t m_key,
+                uint32_t v_key) {
+        using MuT = std::remove_pointer_t<decltype(m)>;
+        using NuT = std::remove_pointer_t<decltype(v)>;
+        AdamRow<MuT, NuT, decltype(rounding)::value>(g, m, v, row_size, maximize, c[0], c[1], c[2],
+                                                     neg_step_size, m_key, v_key);
+      });
+}
+
+// The sum of a row's `row_size` values in `scratch`, added pairwise in
+// `rowwise_adam.pairwise_row_sum`'s order: halves added until one value is
+// left, an odd last value carried along. Overwrites `scratch`.
+float PairwiseSum(float* scratch, int64_t row_size) {
+  if (row_size == 0) return 0.0f;
+  int64_t width = row_size;
+  while (width > 1) {
+    const int64_t half = width / 2;
+    for (int64_t i = 0; i < half; ++i) scratch[i] = scratch[i] + scratch[half + i];
+    if (width % 2) scratch[half] = scratch[2 * half];
+    width = half + width % 2;
+  }
+  return scratch[0];
+}
+
+// The row-wise Adam arithmetic of one row, in RowwiseAdamRule.update's order:
+// `v` is the row's one second-moment value; the delta is computed from the
+// moments as stored.
+template <typename MuT, typename NuT, bool kStochastic>
+OSA_MULTIVERSIONED_TEMPLATE void RowwiseAdamRow(
+    float* __restrict__ g, MuT* __restrict__ m, NuT* __restrict__ v,
+    float* __restrict__ scratch, int64_t row_size, bool maximize, float one_minus_b1,
+    float one_minus_b2, float eps, float lr_over_bc1, float inv_bc2, float inv_row_size,
+    uint32_t m_key, uint32_t v_key) {
+  for (int64_t j = 0; j < row_size; ++j) {
+    const float gj = maximize ? -g[j] : g[j];  // a negation, as in XLA: NaNs flip sign too
+    g[j] = gj;
+    scratch[j] = gj * gj;
+  }
+  const float mean_square = PairwiseSum(scratch, row_size) * inv_row_size;
+  const float v_old = ToFloat(*v);
+  const float v_new =
+      StoreMoment<kStochastic>(v, v_old + (mean_square - v_old) * one_minus_b2, v_key, 0);
+  const float neg_rate = (-lr_over_bc1) / (std::sqrt(v_new * inv_bc2) + eps);
+  for (int64_t j = 0; j < row_size; ++j) {
+    const float mj = ToFloat(m[j]);
+    const float m_new = StoreMoment<kStochastic>(&m[j], mj + (g[j] - mj) * one_minus_b1, m_key, j);
+    g[j] = neg_rate * m_new;
+  }
+}
+
+// The row-wise Adam step: nu holds one value per row ((num_rows,)), and coeffs
+// f32 (6,) = (1 - b1, 1 - b2, eps, lr / (1 - b1^t), 1 / (1 - b2^t), 1 / row_size).
+ffi::Error FusedRowwiseAdamImpl(ffi::Buffer<ffi::S32> rows, ffi::Buffer<ffi::F32> values,
+                                ffi::AnyBuffer mu, ffi::AnyBuffer nu,
+                                ffi::Buffer<ffi::F32> coeffs, ffi::Buffer<ffi::U32> keys,
+                                int64_t num_rows, bool maximize, bool stochastic,
+                                ffi::ThreadPool pool, ffi::ResultBuffer<ffi::S32> distinct_rows,
+                                ffi::ResultBuffer<ffi::F32> delta,
+                                ffi::Result<ffi::AnyBuffer> mu_out,
+                                ffi::Result<ffi::AnyBuffer> nu_out) {
+  MomentStep step{rows,       values, mu,   nu,            coeffs, keys,   num_rows,
+                  stochastic, pool,   distinct_rows, delta, mu_out, nu_out};
+  const float* c = coeffs.typed_data();
+  return RunMomentStep<6, true>(
+      step, [&](auto rounding, auto* m, auto* v, float* g, int64_t row_size, uint32_t m_key,
+                uint32_t v_key) {
+        using MuT = std::remove_pointer_t<decltype(m)>;
+        using NuT = std::remove_pointer_t<decltype(v)>;
+        thread_local std::vector<float> scratch;
+        if (static_cast<int64_t>(scratch.size()) < row_size) scratch.resize(row_size);
+        RowwiseAdamRow<MuT, NuT, decltype(rounding)::value>(
+            g, m, v, scratch.data(), row_size, maximize, c[0], c[1], c[2], c[3], c[4], c[5], m_key,
+            v_key);
+      });
 }
 
 // param[rows[i]] += values[i] for in-range rows, in input order (XLA's
@@ -241,7 +463,7 @@ ffi::Error ScatterAddRowsImpl(ffi::Buffer<ffi::F32> param, ffi::Buffer<ffi::S32>
                               bool rows_unique, ffi::ThreadPool pool,
                               ffi::ResultBuffer<ffi::F32> out) {
   const int64_t nse = static_cast<int64_t>(rows.element_count());
-  const int64_t row_size = RowSize(param, num_rows);
+  const int64_t row_size = RowSize(param.element_count(), num_rows);
   if (row_size < 0) return ffi::Error::InvalidArgument("param must hold num_rows rows");
   if (static_cast<int64_t>(values.element_count()) != nse * row_size) {
     return ffi::Error::InvalidArgument("values must hold nse rows of the param's row size");
@@ -284,22 +506,31 @@ ffi::Error ScatterAddRowsImpl(ffi::Buffer<ffi::F32> param, ffi::Buffer<ffi::S32>
   return ffi::Error::Success();
 }
 
+// The FFI signature of every fused moment step (`MomentStep`'s buffers).
+auto MomentStepBinding() {
+  return ffi::Ffi::Bind()
+      .Arg<ffi::Buffer<ffi::S32>>()
+      .Arg<ffi::Buffer<ffi::F32>>()
+      .Arg<ffi::AnyBuffer>()
+      .Arg<ffi::AnyBuffer>()
+      .Arg<ffi::Buffer<ffi::F32>>()
+      .Arg<ffi::Buffer<ffi::U32>>()
+      .Attr<int64_t>("num_rows")
+      .Attr<bool>("maximize")
+      .Attr<bool>("stochastic")
+      .Ctx<ffi::ThreadPool>()
+      .Ret<ffi::Buffer<ffi::S32>>()
+      .Ret<ffi::Buffer<ffi::F32>>()
+      .Ret<ffi::AnyBuffer>()
+      .Ret<ffi::AnyBuffer>();
+}
+
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(OsaFusedAdamF32, FusedAdamImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Attr<int64_t>("num_rows")
-                                  .Attr<bool>("maximize")
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(OsaFusedAdamF32, FusedAdamImpl, MomentStepBinding());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(OsaFusedRowwiseAdamF32, FusedRowwiseAdamImpl,
+                              MomentStepBinding());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(OsaScatterAddRowsF32, ScatterAddRowsImpl,
                               ffi::Ffi::Bind()

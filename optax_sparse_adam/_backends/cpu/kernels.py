@@ -4,8 +4,9 @@ XLA:CPU runs gathers and scatters element by element; these XLA FFI kernels do
 a step's coalescing, slot updates and parameter scatter-add in one pass per
 table instead. A rule with a kernel variant is listed in `_VARIANTS` by its
 name; the variant computes what `xla.masked_step` computes with that rule, bit
-for bit. The Adam variant is used only where it applies: on the CPU, float32
-gradient, moments and parameter, with no amsgrad, weight decay or per-row bias
+for bit. The Adam and row-wise Adam variants are used only where they apply: on
+the CPU, float32 gradient and parameter, float32 or bfloat16 moments (stored in
+place, rounded as the step asks), with no amsgrad, weight decay or per-row bias
 correction, and arrays
 known to be on one device (XLA cannot partition a custom call: it would gather
 a sharded table onto every device, so possibly sharded tables keep the XLA
@@ -32,12 +33,18 @@ import jax
 import jax.numpy as jnp
 
 from optax_sparse_adam._backends import choice
-from optax_sparse_adam._core import sharding
+from optax_sparse_adam._core import rounding, sharding
 from optax_sparse_adam._core.adam import AdamRule
 from optax_sparse_adam._core.bcoo import RowLayout
+from optax_sparse_adam._core.rowwise_adam import (
+  RowwiseAdamRule,
+  bias_corrections,
+  inverse_row_size,
+)
 from optax_sparse_adam._core.rules import RowsStep, StepInputs, StepPlan, Tables
 
 _FUSED_ADAM = "optax_sparse_adam_fused_adam_f32"
+_FUSED_ROWWISE_ADAM = "optax_sparse_adam_fused_rowwise_adam_f32"
 _SCATTER_ADD_ROWS = "optax_sparse_adam_scatter_add_rows_f32"
 # Under jax.vmap a kernel runs once per batch element (a loop around the call).
 _VMAP_METHOD = "sequential"
@@ -77,6 +84,9 @@ def available() -> bool:
       _FUSED_ADAM, jax.ffi.pycapsule(library.OsaFusedAdamF32), platform="cpu"
     )
     jax.ffi.register_ffi_target(
+      _FUSED_ROWWISE_ADAM, jax.ffi.pycapsule(library.OsaFusedRowwiseAdamF32), platform="cpu"
+    )
+    jax.ffi.register_ffi_target(
       _SCATTER_ADD_ROWS, jax.ffi.pycapsule(library.OsaScatterAddRowsF32), platform="cpu"
     )
   except (OSError, AttributeError):  # A stale or foreign build: keep the XLA path.
@@ -89,8 +99,12 @@ def enabled() -> bool:
   return choice.cpu_kernels_wanted() and available()
 
 
-def _applies(arrays: Sequence[Any], *, nse: int, num_rows: int, row_size: int) -> bool:
-  """Whether a kernel may run a step on `arrays` (all float32) at trace time.
+def _applies(
+  arrays: Sequence[Any], *, nse: int, num_rows: int, row_size: int, moments: Sequence[Any] = ()
+) -> bool:
+  """Whether a kernel may run a step on `arrays` (all float32) and `moments` at trace time.
+
+  `moments` may be float32 or bfloat16 (the step kernels store either).
 
   Also needs at least one entry and one row of at least one value, no mesh with
   Explicit axes and arrays known to be on one device (a custom call cannot be
@@ -100,12 +114,13 @@ def _applies(arrays: Sequence[Any], *, nse: int, num_rows: int, row_size: int) -
   float32 = jnp.dtype(jnp.float32)
   return (
     all(jnp.dtype(x.dtype) == float32 for x in arrays)
+    and all(jnp.dtype(x.dtype) in (float32, jnp.dtype(jnp.bfloat16)) for x in moments)
     and nse > 0
     and num_rows > 0
     and row_size > 0
     and not sharding.explicit_axes()
     and enabled()
-    and sharding.on_one_cpu_device(arrays)
+    and sharding.on_one_cpu_device((*arrays, *moments))
   )
 
 
@@ -169,91 +184,102 @@ def use_cpu_kernels(enable: bool) -> Iterator[None]:
     yield
 
 
-def _adam_applies(inputs: StepInputs, plan: StepPlan) -> bool:
-  """Float32 Adam with no amsgrad, weight decay or per-row steps."""
-  rule, tables = plan.rule, inputs.tables
+def _plain_step_applies(inputs: StepInputs, plan: StepPlan) -> bool:
+  """Float32 gradient, float32 or bf16 `mu` and `nu`, no weight decay or per-row steps."""
+  tables = inputs.tables
   return (
-    isinstance(rule, AdamRule)
-    and not rule.amsgrad
-    and tables.row_step is None
+    tables.row_step is None
     and plan.config.weight_decay == "none"
+    # Stochastic rounding keys on the step count (the XLA path refuses a step without one).
+    and (inputs.step is not None or plan.config.moment_rounding == "nearest")
     and _applies(
-      (inputs.values, tables.slots["mu"], tables.slots["nu"]),
+      (inputs.values,),
       nse=inputs.values.shape[0],
       num_rows=plan.layout.num_rows,
       row_size=math.prod(plan.layout.dense_shape),
+      moments=(tables.slots["mu"], tables.slots["nu"]),
     )
   )
 
 
+def _rounding_keys(inputs: StepInputs, plan: StepPlan) -> jax.Array:
+  """uint32 `(2,)`: mu's and nu's stochastic-rounding keys of this step (read if stochastic)."""
+  step = inputs.step if inputs.step is not None else jnp.zeros((), jnp.int32)
+  names = [slot.name for slot in plan.rule.slots()]
+  return jnp.stack([rounding.step_key(step, names.index(name)) for name in ("mu", "nu")])
+
+
+def _adam_applies(inputs: StepInputs, plan: StepPlan) -> bool:
+  rule = plan.rule
+  return isinstance(rule, AdamRule) and not rule.amsgrad and _plain_step_applies(inputs, plan)
+
+
 def _adam_step(inputs: StepInputs, plan: StepPlan) -> RowsStep:
+  assert isinstance(plan.rule, AdamRule)
+  step_size = plan.rule.step_size(inputs.hyper, inputs.step)
+  return _moment_step(_FUSED_ADAM, inputs, plan, [step_size])
+
+
+def _rowwise_adam_applies(inputs: StepInputs, plan: StepPlan) -> bool:
+  rule = plan.rule
+  return (
+    isinstance(rule, RowwiseAdamRule) and not rule.amsgrad and _plain_step_applies(inputs, plan)
+  )
+
+
+def _rowwise_adam_step(inputs: StepInputs, plan: StepPlan) -> RowsStep:
+  assert inputs.step is not None  # the optax layer counts the steps of this rule
+  # The same function, so the same bits, as the rule's own bias corrections.
+  lr_over_bc1, inv_bc2 = bias_corrections(inputs.hyper, inputs.step, jnp.float32)
+  inv_row_size = inverse_row_size(math.prod(plan.layout.dense_shape), jnp.float32)
+  return _moment_step(_FUSED_ROWWISE_ADAM, inputs, plan, [lr_over_bc1, inv_bc2, inv_row_size])
+
+
+def _moment_step(
+  target: str, inputs: StepInputs, plan: StepPlan, coefficients: list[Any]
+) -> RowsStep:
+  """The fused step of a rule whose state is `mu` and `nu`: one FFI call.
+
+  The kernel is given float32 `(1 - b1, 1 - b2, eps, *coefficients)`, the
+  rounding keys of this step and the tables in their own shapes (a reshape would
+  make XLA copy an operand the kernel updates in place); it views them as
+  `num_rows` rows, updates `mu` and `nu` (float32 or bfloat16) in place when
+  donated, and returns the distinct rows then padding and their deltas, as
+  `xla.masked_step` with the same rule.
+  """
   f32 = jnp.float32
   hyper = inputs.hyper
-  assert isinstance(plan.rule, AdamRule)
-  coefficients = jnp.stack(
-    [
-      jnp.asarray(hyper.one_minus_b1, f32),
-      jnp.asarray(hyper.one_minus_b2, f32),
-      jnp.asarray(hyper.eps, f32),
-      jnp.asarray(plan.rule.step_size(hyper, inputs.step), f32),
-    ]
+  mu, nu = inputs.tables.slots["mu"], inputs.tables.slots["nu"]
+  coefficients = [hyper.one_minus_b1, hyper.one_minus_b2, hyper.eps, *coefficients]
+  nse = inputs.rows.shape[0]
+  out_types = (
+    jax.ShapeDtypeStruct((nse,), jnp.int32),
+    jax.ShapeDtypeStruct(inputs.values.shape, f32),
+    jax.ShapeDtypeStruct(mu.shape, mu.dtype),
+    jax.ShapeDtypeStruct(nu.shape, nu.dtype),
   )
-  distinct_rows, delta, mu, nu = fused_adam(
+  call = jax.ffi.ffi_call(
+    target, out_types, input_output_aliases={2: 2, 3: 3}, vmap_method=_VMAP_METHOD
+  )
+  distinct_rows, delta, mu, nu = call(
     inputs.rows,
     inputs.values,
-    inputs.tables.slots["mu"],
-    inputs.tables.slots["nu"],
-    coefficients,
+    mu,
+    nu,
+    jnp.stack([jnp.asarray(x, f32) for x in coefficients]),
+    _rounding_keys(inputs, plan),
     num_rows=plan.layout.num_rows,
     maximize=plan.config.maximize,
+    stochastic=plan.config.moment_rounding == "stochastic",
   )
   return RowsStep(distinct_rows, delta, Tables({"mu": mu, "nu": nu}))
 
 
-def fused_adam(
-  rows: jax.Array,
-  values: jax.Array,
-  mu: jax.Array,
-  nu: jax.Array,
-  coefficients: jax.Array,
-  *,
-  num_rows: int,
-  maximize: bool,
-) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-  """The coalesced Adam step of one table on the CPU (the FFI call).
-
-  Tables keep their own shapes (a reshape would make XLA copy an operand the
-  kernel updates in place); the kernel views them as `num_rows` rows.
-
-  Args:
-    rows: int32 `(nse,)` row ids; out-of-range ids are padding.
-    values: float32 `(nse, ...)` gradient entries, one row each.
-    mu, nu: float32 moments of `num_rows` rows; updated in place when donated.
-    coefficients: float32 `(4,)`: `1 - b1`, `1 - b2`, `eps`, the step size.
-    num_rows: the tables' number of rows (the product of their sparse dims).
-    maximize: ascend instead of descend.
-
-  Returns:
-    `(rows, delta, mu, nu)`: distinct rows then padding, as `xla.masked_step` with `AdamRule()`.
-  """
-  nse = rows.shape[0]
-  out_types = (
-    jax.ShapeDtypeStruct((nse,), jnp.int32),
-    jax.ShapeDtypeStruct(values.shape, jnp.float32),
-    jax.ShapeDtypeStruct(mu.shape, jnp.float32),
-    jax.ShapeDtypeStruct(nu.shape, jnp.float32),
-  )
-  call = jax.ffi.ffi_call(
-    _FUSED_ADAM, out_types, input_output_aliases={2: 2, 3: 3}, vmap_method=_VMAP_METHOD
-  )
-  distinct_rows, delta, mu, nu = call(
-    rows, values, mu, nu, coefficients, num_rows=num_rows, maximize=maximize
-  )
-  return distinct_rows, delta, mu, nu
-
-
 # The rules with a fused kernel, by `RowRule.name`.
-_VARIANTS: dict[str, KernelVariant] = {"adam": KernelVariant(_adam_applies, _adam_step)}
+_VARIANTS: dict[str, KernelVariant] = {
+  "adam": KernelVariant(_adam_applies, _adam_step),
+  "rowwise_adam": KernelVariant(_rowwise_adam_applies, _rowwise_adam_step),
+}
 
 
 def scatter_add_rows(

@@ -1,0 +1,160 @@
+"""What the lean optimizer states cost in quality, on two of the repository's example recipes.
+
+Trains each recipe with each state setting for several seeds and prints the
+final metric's mean and spread across seeds, next to full Adam's:
+
+- matrix factorisation (examples/train_embedding.py's data and model: two
+  tables, users 50k and items 20k, D=32): held-out RMSE after the training
+  steps;
+- DLRM (examples/dlrm_side_by_side.py's JAX half, float32: three
+  `SparseEmbedBag` tables with sparse_adam, MLPs with optax.adam): the
+  progressive validation log loss, the mean over the last 100 steps of each
+  fresh batch's loss before it trains.
+
+Settings: full (the default), rowwise (`rowwise_second_moment=True`), bf16
+(`mu_dtype=nu_dtype=bfloat16`, rounded to nearest), bf16_sr (the same,
+`moment_rounding="stochastic"`) and rowwise_bf16_sr (both). A seed sets the data,
+the initial weights and the batches.
+
+  python -m benchmarks.lean_state_quality             # 3 seeds, about 5 minutes
+  python -m benchmarks.lean_state_quality --seeds 1   # one seed
+  python -m benchmarks.lean_state_quality --json      # the figures as JSON
+"""
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import optax_sparse_adam as osa
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+
+SETTINGS = {
+  "full": {},
+  "rowwise": {"rowwise_second_moment": True},
+  "bf16": {"mu_dtype": jnp.bfloat16, "nu_dtype": jnp.bfloat16},
+  "bf16_sr": {"mu_dtype": jnp.bfloat16, "nu_dtype": jnp.bfloat16, "moment_rounding": "stochastic"},
+  "rowwise_bf16_sr": {
+    "rowwise_second_moment": True,
+    "mu_dtype": jnp.bfloat16,
+    "nu_dtype": jnp.bfloat16,
+    "moment_rounding": "stochastic",
+  },
+}
+
+
+def matrix_factorisation(seed: int, options: dict, *, steps: int = 1000) -> float:
+  """Held-out RMSE of examples/train_embedding.py's recommender, trained `steps` steps."""
+  import train_embedding as mf
+
+  n_users, n_items, dim, batch, lr = 50_000, 20_000, 32, 4096, 0.01
+  rng = np.random.default_rng(seed)
+  users, items, ratings = mf.make_ratings(rng, n_users, n_items, 8, 2_000_000)
+  n_test = 100_000
+  test = (users[:n_test], items[:n_test], ratings[:n_test])
+  train = (users[n_test:], items[n_test:], ratings[n_test:])
+  key_u, key_i = jax.random.split(jax.random.key(seed))
+  params = {
+    "users": 0.1 * jax.random.normal(key_u, (n_users, dim)),
+    "items": 0.1 * jax.random.normal(key_i, (n_items, dim)),
+  }
+  opt = osa.sparse_adam(learning_rate=lr, **options)
+  state = opt.init(params)
+
+  def loss_of_rows(user_rows, item_rows, ratings):
+    return jnp.mean((jnp.sum(user_rows * item_rows, axis=-1) - ratings) ** 2)
+
+  def step(params, state, user_ids, item_ids, ratings):
+    rows = params["users"][user_ids], params["items"][item_ids]
+    g_users, g_items = jax.grad(loss_of_rows, argnums=(0, 1))(*rows, ratings)
+    grads = {
+      "users": mf.row_gradient(g_users, user_ids, n_users),
+      "items": mf.row_gradient(g_items, item_ids, n_items),
+    }
+    updates, state = opt.update(grads, state, params)
+    return osa.apply_updates(params, updates), state
+
+  step = jax.jit(step, donate_argnums=(0, 1))
+  for _ in range(steps):
+    picked = rng.integers(0, len(train[0]), batch)
+    params, state = step(params, state, *(a[picked] for a in train))
+  rows = params["users"][test[0]], params["items"][test[1]]
+  return float(jnp.sqrt(loss_of_rows(*rows, test[2])))
+
+
+def dlrm(seed: int, options: dict, *, steps: int = 300, last: int = 100) -> float:
+  """Progressive validation log loss of examples/dlrm_side_by_side.py's JAX DLRM (float32)."""
+  import dlrm_side_by_side as d
+  from flax import nnx
+
+  args = d.parse_args(["--dtype", "float32", "--seed", str(seed), "--steps", str(steps)])
+  batches = d.make_batches(args)
+  model = d.DLRM(args, nnx.Rngs(seed))
+  tx = optax.multi_transform(
+    {"sparse": osa.sparse_adam(args.lr, **options), "dense": optax.adam(args.lr)},
+    osa.table_labels(model),
+  )
+  optimizer = osa.SparseOptimizer(model, tx, wrt=nnx.Param)
+
+  @nnx.jit(donate_argnums=(0, 1))
+  def step(model, optimizer, dense, bags, clicks):
+    def loss_fn(model):
+      return optax.sigmoid_binary_cross_entropy(model(dense, bags), clicks).mean()
+
+    loss, grads = osa.sparse_value_and_grad(loss_fn)(model)
+    optimizer.update(model, grads)
+    return loss
+
+  losses = []
+  for dense, bags, clicks in batches:
+    jax_bags = [(jnp.asarray(ids), jnp.asarray(offsets)) for ids, offsets in bags]
+    losses.append(float(step(model, optimizer, jnp.asarray(dense), jax_bags, jnp.asarray(clicks))))
+  return float(np.mean(losses[-last:]))
+
+
+RECIPES = {
+  "matrix factorisation, held-out RMSE": matrix_factorisation,
+  "DLRM, progressive log loss (last 100 steps)": dlrm,
+}
+
+
+def main(argv=None) -> None:
+  parser = argparse.ArgumentParser(
+    description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+  )
+  parser.add_argument("--seeds", type=int, default=3, help="seeds 0 .. n-1")
+  parser.add_argument("--json", action="store_true", help="print the figures as JSON only")
+  args = parser.parse_args(argv)
+  seeds = list(range(args.seeds))
+  start = time.perf_counter()
+  results = {
+    recipe: {name: [run(s, options) for s in seeds] for name, options in SETTINGS.items()}
+    for recipe, run in RECIPES.items()
+  }
+  if args.json:
+    json.dump(results, sys.stdout)
+    return
+  print(f"# lean-state quality: seeds {seeds}; {time.perf_counter() - start:.0f} s")
+  for recipe, by_setting in results.items():
+    full = np.array(by_setting["full"])
+    print(f"\n{recipe} (lower is better)\n")
+    print("| setting | mean | min .. max over seeds | vs full (mean) | per seed vs full |")
+    print("|---|---|---|---|---|")
+    for name, values in by_setting.items():
+      v = np.array(values)
+      per_seed = " ".join(f"{x:+.2%}" for x in v / full - 1)
+      print(
+        f"| {name} | {v.mean():.4f} | {v.min():.4f} .. {v.max():.4f} "
+        f"| {v.mean() / full.mean() - 1:+.2%} | {per_seed} |"
+      )
+
+
+if __name__ == "__main__":
+  main()

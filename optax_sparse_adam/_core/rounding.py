@@ -1,0 +1,131 @@
+"""How a rule's new slot rows are rounded to their storage dtype: to nearest, or stochastically.
+
+A moment kept in bfloat16 has 8 significant bits. Rounded to nearest, an
+update smaller than half a bf16 ulp of the moment is lost every time: with
+`b2 = 0.999`, `v += 0.001 * (g^2 - v)` changes `v` by less than half an ulp
+(2^-9 relative) whenever `|g^2 - v| < 2 v`, so `v` stalls instead of tracking
+`g^2`, and `m` stalls likewise once its steps fall below 2^-9 of its size.
+Stochastic rounding rounds up with probability equal to the dropped fraction,
+so the stored moment is unbiased: `E[round(x)] = x`, and small updates
+accumulate in expectation.
+
+The random bits come from a counter-based hash, not a PRNG state: for slot
+`s`, the parameter's step count `t`, row `r` and element `j` of the row,
+
+  a = fmix32(t * 0x9E3779B9 + (s + 1) * 0x27D4EB2F)      (per step and slot)
+  b = fmix32(a ^ (r * 0x85EBCA77))                       (per row)
+  u = fmix32(b ^ (j * 0xC2B2AE3D)) >> 16                 (16 random bits)
+  bf16 bits = (f32 bits + u) >> 16                       (finite values; NaN and
+                                                          inf round to nearest)
+
+with 32-bit wrapping arithmetic and `fmix32` MurmurHash3's finalizer. Two runs
+give the same bits, and a run resumed from a checkpoint (which holds the step
+count) continues the same stream. The CPU kernels (`kernels.cc`) compute the
+same bits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+MomentRounding = Literal["nearest", "stochastic"]
+ROUNDINGS = ("nearest", "stochastic")
+
+# A slot's rows in the rule's compute dtype -> in the slot's storage dtype.
+SlotStore = Callable[[str, jax.Array], jax.Array]
+
+_STEP_MULTIPLIER = 0x9E3779B9
+_SLOT_MULTIPLIER = 0x27D4EB2F
+_ROW_MULTIPLIER = 0x85EBCA77
+_ELEMENT_MULTIPLIER = 0xC2B2AE3D
+
+
+def fmix32(x: jax.Array) -> jax.Array:
+  """MurmurHash3's 32-bit finalizer: a bijection of uint32 with full avalanche."""
+  x = x ^ (x >> 16)
+  x = x * np.uint32(0x85EBCA6B)
+  x = x ^ (x >> 13)
+  x = x * np.uint32(0xC2B2AE35)
+  return x ^ (x >> 16)
+
+
+def step_key(step: jax.Array, slot_index: int) -> jax.Array:
+  """`a` of the module docstring: the uint32 key of one slot at one step."""
+  t = jnp.asarray(step).astype(jnp.uint32)
+  salt = np.uint32(((slot_index + 1) * _SLOT_MULTIPLIER) & 0xFFFFFFFF)
+  return fmix32(t * np.uint32(_STEP_MULTIPLIER) + salt)
+
+
+def random_bits(key: jax.Array, rows: jax.Array, row_size: int) -> jax.Array:
+  """16 random bits (as uint32) per element of `(n, row_size)` rows, from a step key."""
+  row_keys = fmix32(key ^ (rows.astype(jnp.uint32) * np.uint32(_ROW_MULTIPLIER)))
+  elements = lax.iota(jnp.uint32, row_size) * np.uint32(_ELEMENT_MULTIPLIER)
+  return fmix32(row_keys[:, None] ^ elements[None, :]) >> 16
+
+
+def stochastic_round_to_bf16(x: jax.Array, bits16: jax.Array) -> jax.Array:
+  """`x` (float32) rounded to bfloat16 up or down, up with probability the dropped fraction.
+
+  `bits16` are uniform integers in `[0, 2^16)`, of `x`'s shape. NaN and inf
+  round to nearest (they would otherwise change class).
+  """
+  x = x.astype(jnp.float32)
+  word = lax.bitcast_convert_type(x, jnp.uint32)
+  rounded = lax.bitcast_convert_type(((word + bits16) >> 16).astype(jnp.uint16), jnp.bfloat16)
+  return jnp.where(jnp.isfinite(x), rounded, x.astype(jnp.bfloat16))
+
+
+def check_rounding(rounding: str, name: str = "moment_rounding") -> None:
+  """Refuses a rounding other than "nearest" or "stochastic", naming the argument."""
+  if rounding not in ROUNDINGS:
+    raise ValueError(f"{name}={rounding!r}; expected one of {ROUNDINGS}.")
+
+
+def stochastic_supported(dtype: Any) -> bool:
+  """Whether a moment stored in `dtype` can be rounded stochastically: bf16, float32 or wider."""
+  dtype = jnp.dtype(dtype)
+  return dtype == jnp.bfloat16 or jnp.finfo(dtype).bits >= 32
+
+
+def slot_store(
+  rounding: str,
+  *,
+  slot_names: tuple[str, ...],
+  dtypes: dict[str, Any],
+  step: jax.Array | None,
+  rows: jax.Array,
+) -> SlotStore:
+  """The pipeline's `store` for one step: new slot rows in compute dtype -> storage dtype.
+
+  Args:
+    rounding: "nearest" (`astype`) or "stochastic" (bf16 slots only; wider
+      slots are stored exactly as with "nearest").
+    slot_names: the rule's slots, in order (a slot's position salts its key).
+    dtypes: each slot's storage dtype.
+    step: the parameter's step count of this step (needed for "stochastic").
+    rows: int32 `(n,)` the rows of the block (the key's row counter).
+  """
+
+  def store(name: str, x: jax.Array) -> jax.Array:
+    dtype = jnp.dtype(dtypes[name])
+    if rounding != "stochastic" or dtype != jnp.bfloat16:
+      return x.astype(dtype)
+    if step is None:
+      raise ValueError("stochastic rounding needs the parameter's step count")
+    n = x.shape[0]
+    row_size = int(np.prod(x.shape[1:], dtype=np.int64))
+    bits = random_bits(step_key(step, slot_names.index(name)), rows, row_size)
+    return stochastic_round_to_bf16(x.reshape(n, row_size), bits).reshape(x.shape)
+
+  return store
+
+
+def nearest_store(slot_rows: Mapping[str, jax.Array]) -> SlotStore:
+  """`store` by `astype` to each slot's dtype: round to nearest."""
+  return lambda name, x: x.astype(slot_rows[name].dtype)
