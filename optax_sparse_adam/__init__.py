@@ -24,7 +24,7 @@ from optax_sparse_adam._optax.leaf import sparse_adam_leaf_step as sparse_adam_l
 from optax_sparse_adam._optax.multi_steps import RowBuffer as RowBuffer
 from optax_sparse_adam._optax.multi_steps import SparseMultiStepsState as SparseMultiStepsState
 from optax_sparse_adam._optax.multi_steps import sparse_multi_steps as sparse_multi_steps
-from optax_sparse_adam._optax.transform import SparseAdamState as SparseAdamState
+from optax_sparse_adam._optax.state import SparseAdamState as SparseAdamState
 from optax_sparse_adam._optax.transform import sparse_adam as sparse_adam
 from optax_sparse_adam._optax.transform import sparse_adamw as sparse_adamw
 from optax_sparse_adam._version import __version__ as __version__

@@ -7,6 +7,7 @@ import pytest
 
 MODULES = [
   "optax_sparse_adam._optax.transform",
+  "optax_sparse_adam._optax.state",
   "optax_sparse_adam._optax.apply",
   "optax_sparse_adam._optax.composition",
   "optax_sparse_adam._optax.multi_steps",
