@@ -222,20 +222,23 @@ def _param_shape(tables: Tables, rule: RowRule) -> tuple[int, ...]:
 
 
 def _check_tables(tables: Tables, layout: bcoo.RowLayout, config: StepConfig, path: tuple) -> None:
-  """Refuses a step that lacks the parameter for weight decay, or has row steps of another size."""
+  """Refuses a step without the parameter for weight decay, or with per-row steps of other sizes."""
   if config.weight_decay != "none" and tables.param is None:
     raise ValueError(
       f"Parameter at {path_str(path)} is needed for weight decay: pass params "
       "to update(grads, state, params)."
     )
-  row_step = tables.row_step
-  if row_step is not None and row_step.shape != (layout.num_rows,):
-    raise ValueError(
-      f"Sparse gradient at {path_str(path)} indexes {layout.num_rows} rows "
-      f"(sparse dims {layout.sparse_shape}) but per-row bias correction keeps "
-      f"{row_step.shape[0]} row steps, one per index of the leading dim. Use "
-      "n_sparse=1 gradients (bcoo_update_layout(grad, n_dense=ndim - 1))."
-    )
+  for per_row, option in (
+    (tables.row_step, "per-row bias correction"),
+    (tables.last_step, "catch-up"),
+  ):
+    if per_row is not None and per_row.shape != (layout.num_rows,):
+      raise ValueError(
+        f"Sparse gradient at {path_str(path)} indexes {layout.num_rows} rows "
+        f"(sparse dims {layout.sparse_shape}) but {option} keeps "
+        f"{per_row.shape[0]} row steps, one per index of the leading dim. Use "
+        "n_sparse=1 gradients (bcoo_update_layout(grad, n_dense=ndim - 1))."
+      )
 
 
 def scatter_add_bcoo(param: jax.Array, update: sparse.BCOO, path: Sequence[Any] = ()) -> jax.Array:

@@ -21,7 +21,7 @@ from optax_sparse_adam._core.errors import (
   path_str,
 )
 from optax_sparse_adam._core.hyperparams import check_hyperparams, moment_dtype
-from optax_sparse_adam._optax import leaf
+from optax_sparse_adam._optax import catch_up, leaf
 
 ScalarOrSchedule: TypeAlias = float | jax.Array | optax.Schedule
 
@@ -47,6 +47,8 @@ class SparseAdamState(NamedTuple):
     nu_max: per parameter, the running max of `nu` with `amsgrad=True`, else None.
     row_step: per parameter, int32 steps of each row with
       `per_row_bias_correction=True`, else None.
+    row_last_step: per parameter, int32 `(num_rows,)`, the step up to which
+      each row is caught up with `catch_up_idle_rows=True`, else None.
   """
 
   # `count` shadows tuple.count, as in optax's states (ScaleByAdamState.count).
@@ -56,6 +58,7 @@ class SparseAdamState(NamedTuple):
   nu: optax.Updates
   nu_max: optax.Updates | None
   row_step: optax.Updates | None
+  row_last_step: optax.Updates | None = None
 
   @property
   def step(self) -> optax.Updates:
@@ -122,6 +125,7 @@ class SparseAdamOptions(NamedTuple):
   per_row_bias_correction: bool
   mu_dtype: Any
   nu_dtype: Any
+  catch_up_idle_rows: bool = False
 
   @property
   def rule(self) -> AdamRule:
@@ -133,13 +137,19 @@ def _init_state(params: optax.Params, options: SparseAdamOptions) -> SparseAdamS
   leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path(params)
   dtypes = {"mu": options.mu_dtype, "nu": options.nu_dtype}
   states = []
+  last_steps = []
   for path, param in leaves_with_path:
     bcoo.check_param_dtype(param, path)
     tables = rules.init_tables(
-      options.rule, param, dtypes=dtypes, per_row_steps=options.per_row_bias_correction
+      options.rule,
+      param,
+      dtypes=dtypes,
+      per_row_steps=options.per_row_bias_correction,
+      last_steps=options.catch_up_idle_rows,
     )
     step = jnp.zeros([], jnp.int32, device=sharding.replicated_like(param))
     states.append(_leaf_state(step, tables))
+    last_steps.append(tables.last_step)
 
   def field(name: str, wanted: bool = True) -> Any:
     # None by the flags, not by what init was given: on params without leaves
@@ -156,6 +166,9 @@ def _init_state(params: optax.Params, options: SparseAdamOptions) -> SparseAdamS
     nu=field("nu"),
     nu_max=field("nu_max", options.amsgrad),
     row_step=field("row_step", options.per_row_bias_correction),
+    row_last_step=(
+      jax.tree_util.tree_unflatten(treedef, last_steps) if options.catch_up_idle_rows else None
+    ),
   )
 
 
@@ -245,6 +258,7 @@ def _scale_by_sparse_adam(options: SparseAdamOptions) -> optax.GradientTransform
     nu_dtype=moment_dtype(options.nu_dtype, "nu_dtype"),
   )
   rule = options.rule
+  catch_up.check_options(options)
   config = rules.StepConfig(
     maximize=options.maximize,
     weight_decay=leaf.weight_decay_mode(weight_decay, decoupled=options.decoupled_weight_decay),
@@ -266,6 +280,7 @@ def _scale_by_sparse_adam(options: SparseAdamOptions) -> optax.GradientTransform
     states = _leaf_states(treedef, paths, state, indices)
     param_leaves = leaves_up_to(treedef, params, "params", paths)
     _check_grads(grads_with_path, states, param_leaves)
+    last_steps = catch_up.last_step_leaves(treedef, paths, state, options.catch_up_idle_rows)
 
     lr = learning_rate(state.count) if callable(learning_rate) else learning_rate
     # A zero the compiler cannot see through: the math rounds each product before
@@ -274,15 +289,19 @@ def _scale_by_sparse_adam(options: SparseAdamOptions) -> optax.GradientTransform
     hyper = adam.hyperparams_of(adam.adam_coefficients(lr, b1, b2, eps, weight_decay))
     new_updates: list[sparse.BCOO | None] = []
     new_states: list[LeafState] = []
-    for (path, grad), leaf_state, param in zip(grads_with_path, states, param_leaves, strict=True):
+    new_last_steps: list[jax.Array | None] = []
+    for (path, grad), leaf_state, param, last_step in zip(
+      grads_with_path, states, param_leaves, last_steps, strict=True
+    ):
       if grad is None:
         new_updates.append(None)
         new_states.append(leaf_state)
+        new_last_steps.append(last_step)
         continue
       slots = {slot.name: getattr(leaf_state, slot.name) for slot in rule.slots()}
       step = leaf.masked_leaf_step(
         grad,
-        rules.Tables(slots, leaf_state.row_step, param),
+        rules.Tables(slots, leaf_state.row_step, param, last_step),
         leaf_state.step,
         rule=rule,
         config=config,
@@ -297,6 +316,7 @@ def _scale_by_sparse_adam(options: SparseAdamOptions) -> optax.GradientTransform
       assert step.step is not None  # given a step, it returns one
       new_updates.append(step.update)
       new_states.append(_leaf_state(step.step, step.tables))
+      new_last_steps.append(step.tables.last_step)
 
     def field(name: str, old: Any) -> Any:
       if old is None:
@@ -316,9 +336,11 @@ def _scale_by_sparse_adam(options: SparseAdamOptions) -> optax.GradientTransform
       nu=field("nu", state.nu),
       nu_max=field("nu_max", state.nu_max),
       row_step=field("row_step", state.row_step),
+      row_last_step=(None if state.row_last_step is None else treedef.unflatten(new_last_steps)),
     )
     return treedef.unflatten(new_updates), new_state
 
+  catch_up.register(update_fn, options)
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
@@ -334,6 +356,7 @@ def sparse_adam(
   per_row_bias_correction: bool = False,
   mu_dtype: Any = None,
   nu_dtype: Any = None,
+  catch_up_idle_rows: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
   r"""Masked Adam for BCOO gradients, with the numerics of `torch.optim.SparseAdam`.
 
@@ -382,6 +405,12 @@ def sparse_adam(
       costs one int32 per row of state.
     mu_dtype: dtype of the first moment; default the parameter's.
     nu_dtype: dtype of the second moment; default the parameter's.
+    catch_up_idle_rows: take dense Adam's steps for the rows the gradients skip:
+      a row touched after :math:`k` idle steps first has its moments decayed by
+      :math:`\beta_1^k, \beta_2^k` and moves by the closed-form discharge of
+      :math:`m` over them (docs/catch_up.md: where exact, the bound elsewhere);
+      `catch_up_all_rows` does all rows. One int32 of state per row; needs
+      `weight_decay=0` (use `sparse_adamw`), no `per_row_bias_correction`.
 
   Returns:
     An `optax.GradientTransformationExtraArgs` whose state is a `SparseAdamState`;
@@ -422,6 +451,7 @@ def sparse_adamw(
   per_row_bias_correction: bool = False,
   mu_dtype: Any = None,
   nu_dtype: Any = None,
+  catch_up_idle_rows: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
   r"""`sparse_adam` with decoupled weight decay, applied to the touched rows only.
 
@@ -430,7 +460,7 @@ def sparse_adamw(
 
   Rows that the gradient does not touch are not decayed: decay is lazy, like
   the moments. A row seen every `k` steps thus decays `k` times less than under
-  dense `optax.adamw`.
+  dense `optax.adamw`, unless `catch_up_idle_rows=True`.
 
   Args:
     learning_rate: a float, or an `optax.Schedule` of the number of updates.
@@ -443,6 +473,9 @@ def sparse_adamw(
     per_row_bias_correction: per-row step counts for the bias correction.
     mu_dtype: dtype of the first moment; default the parameter's.
     nu_dtype: dtype of the second moment; default the parameter's.
+    catch_up_idle_rows: take dense AdamW's steps for the rows the gradients
+      skip (see `sparse_adam`), the decoupled decay included:
+      :math:`(1 - \alpha\lambda)^k` over :math:`k` idle steps.
 
   Returns:
     An `optax.GradientTransformationExtraArgs` whose state is a `SparseAdamState`;

@@ -5,8 +5,8 @@ a step's coalescing, slot updates and parameter scatter-add in one pass per
 table instead. A rule with a kernel variant is listed in `_VARIANTS` by its
 name; the variant computes what `xla.masked_step` computes with that rule, bit
 for bit. The Adam variant is used only where it applies: on the CPU, float32
-gradient, moments and parameter, with no amsgrad, weight decay or per-row bias
-correction, and arrays
+gradient, moments and parameter, with no amsgrad, weight decay, per-row bias
+correction or catch-up of idle rows, and arrays
 known to be on one device (XLA cannot partition a custom call: it would gather
 a sharded table onto every device, so possibly sharded tables keep the XLA
 path). Everything else runs XLA ops; `lax.platform_dependent` picks per backend
@@ -170,12 +170,13 @@ def use_cpu_kernels(enable: bool) -> Iterator[None]:
 
 
 def _adam_applies(inputs: StepInputs, plan: StepPlan) -> bool:
-  """Float32 Adam with no amsgrad, weight decay or per-row steps."""
+  """Float32 Adam with no amsgrad, weight decay, per-row steps or catch-up."""
   rule, tables = plan.rule, inputs.tables
   return (
     isinstance(rule, AdamRule)
     and not rule.amsgrad
     and tables.row_step is None
+    and tables.last_step is None
     and plan.config.weight_decay == "none"
     and _applies(
       (inputs.values, tables.slots["mu"], tables.slots["nu"]),
