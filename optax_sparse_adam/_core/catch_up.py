@@ -149,16 +149,13 @@ def idle_rows(
   new_rows["mu"] = (m * _pow(log_b1, k)).astype(slot_rows["mu"].dtype)
   new_rows["nu"] = (v * _pow(log_b2, k)).astype(slot_rows["nu"].dtype)
 
-  eps = c(hyper.eps)
-  if rule.amsgrad:
-    # The running max does not move while v decays under it: a constant denominator.
-    root = jnp.sqrt(slot_rows["nu_max"].astype(compute_dtype))
-    w = jnp.zeros_like(root)
-  else:
-    root = jnp.sqrt(v)
-    w = jnp.where(root + eps > 0, root / jnp.where(root + eps > 0, root + eps, 1.0), 1.0)
-  denom = root + eps
-  ratio = jnp.where(denom > 0, m / jnp.where(denom > 0, denom, 1.0), 0.0)
+  # The running max does not move while v decays under it: with amsgrad the
+  # denominator is constant over the window (w = 0).
+  second = slot_rows["nu_max"] if rule.amsgrad else v
+  root = jnp.sqrt(second.astype(compute_dtype))
+  denom = root + c(hyper.eps)
+  inverse = jnp.where(denom > 0, 1.0 / jnp.where(denom > 0, denom, 1.0), 0.0)
+  ratio = m * inverse  # 0 where m = v = 0 (a row never touched), even at eps = 0
 
   decay_minus_one = None
   log_d = c(0.0)
@@ -173,8 +170,10 @@ def idle_rows(
     at = last_step.astype(compute_dtype) + _centroid(log_x, k)
     return bias_corrected_step_size(hyper, at).astype(compute_dtype)
 
-  weights = (1.0 - w) * step_size(log_b1) * decayed_sum(log_b1, log_d, k)
-  if not rule.amsgrad:
-    log_r = log_b1 - 0.5 * log_b2
-    weights = weights + w * step_size(log_r) * decayed_sum(log_r, log_d, k)
-  return CaughtUp(new_rows, -ratio * weights, decay_minus_one)
+  by_b1 = step_size(log_b1) * decayed_sum(log_b1, log_d, k)
+  if rule.amsgrad:
+    return CaughtUp(new_rows, -ratio * by_b1, decay_minus_one)
+  log_r = log_b1 - 0.5 * log_b2
+  by_r = step_size(log_r) * decayed_sum(log_r, log_d, k)
+  w = root * inverse  # sqrt(v) / (sqrt(v) + eps)
+  return CaughtUp(new_rows, -ratio * (by_b1 + w * (by_r - by_b1)), decay_minus_one)
