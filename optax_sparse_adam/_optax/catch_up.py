@@ -136,27 +136,86 @@ def catch_up_all_rows(
     >>> float(state.mu[0, 0]) == float(jnp.float32(0.1 * 0.9**2))
     True
   """
+  return _catch_up("catch_up_all_rows", optimizer, params, state, None)
+
+
+def catch_up_rows(
+  optimizer: optax.GradientTransformation,
+  params: optax.Params,
+  state: optax.OptState,
+  ids: Any,
+) -> tuple[optax.Params, optax.OptState]:
+  """Brings the rows `ids` up to date (see `catch_up_all_rows`): O(ids), for the forward pass.
+
+  A catch-up step takes a row's gradient where the forward pass read it: at its
+  value before its idle steps, unless it was caught up first. Dense Adam takes
+  it after them. Call this on the batch's ids before the forward pass to read
+  the rows as dense Adam has them (then the step finds them up to date);
+  without it, the moments are still dense Adam's for the gradients given.
+
+  Args:
+    optimizer: the transformation returned by `sparse_adam` or `sparse_adamw`
+      with `catch_up_idle_rows=True`.
+    params: the parameters, the tree given to `init`.
+    state: the optimizer's `SparseAdamState`.
+    ids: a tree like `params` (a prefix of it) with an int array of row ids of
+      the leading dim per table, or None for a table to leave; repeated ids are
+      fine, out-of-range and negative ones are ignored (BCOO padding).
+
+  Returns:
+    `(params, state)` with those rows caught up; the step counts are unchanged.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from jax.experimental import sparse
+    >>> import optax_sparse_adam as osa
+    >>> opt = osa.sparse_adam(0.1, catch_up_idle_rows=True)
+    >>> params = {"table": jnp.zeros((4, 2))}
+    >>> state = opt.init(params)
+    >>> grad = {"table": sparse.BCOO((jnp.ones((1, 2)), jnp.array([[1]])), shape=(4, 2))}
+    >>> for _ in range(2):
+    ...   updates, state = opt.update(grad, state)
+    ...   params = osa.apply_updates(params, updates)
+    >>> ids = {"table": jnp.array([0, 0, 9])}  # a batch's ids; 9 is padding
+    >>> params, state = osa.catch_up_rows(opt, params, state, ids)
+    >>> state.row_last_step["table"]
+    Array([2, 2, 0, 0], dtype=int32)
+  """
+  return _catch_up("catch_up_rows", optimizer, params, state, ids)
+
+
+_ALL = object()  # every row of a table
+
+
+def _catch_up(
+  name: str, optimizer: Any, params: Any, state: Any, ids: Any
+) -> tuple[optax.Params, optax.OptState]:
   options = options_of(optimizer)
   if options is None:
     raise ValueError(
-      "catch_up_all_rows needs the transformation returned by sparse_adam or sparse_adamw "
+      f"{name} needs the transformation returned by sparse_adam or sparse_adamw "
       f"with catch_up_idle_rows=True, got {optimizer!r}. Inside optax.chain or "
       "optax.multi_transform, pass that transformation and its own state."
     )
   if getattr(state, "row_last_step", None) is None or not hasattr(state, "param_steps"):
     raise ValueError(
-      "catch_up_all_rows needs the SparseAdamState that the optimizer's init made "
+      f"{name} needs the SparseAdamState that the optimizer's init made "
       f"(with row_last_step), got {type(state).__name__}."
     )
   treedef: Any = jax.tree.structure(state.mu)  # jaxlib ships no stub for PyTreeDef
-  param_leaves = flatten_up_to(
-    treedef,
-    params,
-    lambda: (
-      f"catch_up_all_rows: params must have the structure of the state's moments "
-      f"({treedef}), got {jax.tree.structure(params)}."
-    ),
-  )
+
+  def leaves(tree: Any, what: str) -> list[Any]:
+    return flatten_up_to(
+      treedef,
+      tree,
+      lambda: (
+        f"{name}: {what} must have the structure of the state's moments "
+        f"({treedef}), got {jax.tree.structure(tree)}."
+      ),
+    )
+
+  param_leaves = leaves(params, "params")
+  id_leaves = [_ALL] * treedef.num_leaves if ids is None else leaves(ids, "ids")
   learning_rate = options.learning_rate
   if callable(learning_rate):
     learning_rate = learning_rate(jnp.maximum(state.count - 1, 0))
@@ -172,45 +231,75 @@ def catch_up_all_rows(
   nu_max = (
     [None] * treedef.num_leaves if state.nu_max is None else treedef.flatten_up_to(state.nu_max)
   )
-  new_params, new_mu, new_nu, new_last = [], [], [], []
-  for i, (param, mu, nu, vmax, last) in enumerate(
+  new: dict[str, list[Any]] = {"param": [], "mu": [], "nu": [], "last": []}
+  for i, (param, mu, nu, vmax, last, rows) in enumerate(
     zip(
       param_leaves,
       treedef.flatten_up_to(state.mu),
       treedef.flatten_up_to(state.nu),
       nu_max,
       treedef.flatten_up_to(state.row_last_step),
+      id_leaves,
       strict=True,
     )
   ):
     if tuple(jnp.shape(param)) != tuple(mu.shape):
       raise ValueError(
-        f"catch_up_all_rows: parameter {i} has shape {tuple(jnp.shape(param))} but its "
+        f"{name}: parameter {i} has shape {tuple(jnp.shape(param))} but its "
         f"optimizer state has shape {tuple(mu.shape)}: pass the params given to init."
       )
-    step = state.param_steps[i]
-    by_row = last.reshape(last.shape + (1,) * (mu.ndim - 1))
-    compute_dtype = jnp.result_type(jnp.float32, param.dtype, mu.dtype, nu.dtype)
-    slots = {"mu": mu, "nu": nu} | ({} if vmax is None else {"nu_max": vmax})
-    caught = catch_up.idle_rows(
-      rule,
-      slots,
-      jnp.maximum(step - by_row, 0),
-      by_row,
-      hyper,
-      decoupled=decoupled,
-      compute_dtype=compute_dtype,
-    )
-    move = caught.shift
-    if caught.decay_minus_one is not None:
-      move = move + caught.decay_minus_one * param.astype(compute_dtype)
-    new_params.append((param.astype(compute_dtype) + move).astype(param.dtype))
-    new_mu.append(caught.slot_rows["mu"])
-    new_nu.append(caught.slot_rows["nu"])
-    new_last.append(jnp.maximum(last, step))  # every row's last step <= the step
+    tables = {"param": param, "mu": mu, "nu": nu, "last": last}
+    if rows is None:
+      for key in new:
+        new[key].append(tables[key])
+      continue
+    if vmax is not None:
+      tables["nu_max"] = vmax
+    if rows is not _ALL:
+      rows = jnp.asarray(rows).reshape(-1)
+      rows = jnp.where(rows < 0, mu.shape[0], rows)  # negative ids are padding, not wrapped
+      got = {key: table.at[rows].get(mode="fill", fill_value=0) for key, table in tables.items()}
+    else:
+      got = tables
+    caught = _caught_up(rule, got, state.param_steps[i], hyper, decoupled)
+    if rows is not _ALL:
+      caught = {
+        key: tables[key].at[rows].set(value.astype(tables[key].dtype), mode="drop")
+        for key, value in caught.items()
+      }
+    for key in new:
+      new[key].append(caught[key])
   new_state = state._replace(
-    mu=treedef.unflatten(new_mu),
-    nu=treedef.unflatten(new_nu),
-    row_last_step=treedef.unflatten(new_last),
+    mu=treedef.unflatten(new["mu"]),
+    nu=treedef.unflatten(new["nu"]),
+    row_last_step=treedef.unflatten(new["last"]),
   )
-  return treedef.unflatten(new_params), new_state
+  return treedef.unflatten(new["param"]), new_state
+
+
+def _caught_up(
+  rule: Any, rows: dict[str, jax.Array], step: jax.Array, hyper: Any, decoupled: bool
+) -> dict[str, jax.Array]:
+  """The rows (param, mu, nu, last, and nu_max) caught up to `step`."""
+  param, mu, nu, last = rows["param"], rows["mu"], rows["nu"], rows["last"]
+  by_row = last.reshape(last.shape + (1,) * (mu.ndim - 1))
+  compute_dtype = jnp.result_type(jnp.float32, param.dtype, mu.dtype, nu.dtype)
+  slots = {"mu": mu, "nu": nu} | ({"nu_max": rows["nu_max"]} if "nu_max" in rows else {})
+  caught = catch_up.idle_rows(
+    rule,
+    slots,
+    jnp.maximum(step - by_row, 0),
+    by_row,
+    hyper,
+    decoupled=decoupled,
+    compute_dtype=compute_dtype,
+  )
+  move = caught.shift
+  if caught.decay_minus_one is not None:
+    move = move + caught.decay_minus_one * param.astype(compute_dtype)
+  return {
+    "param": (param.astype(compute_dtype) + move).astype(param.dtype),
+    "mu": caught.slot_rows["mu"],
+    "nu": caught.slot_rows["nu"],
+    "last": jnp.maximum(last, step),  # every row's last step <= the step
+  }
