@@ -401,3 +401,79 @@ def test_steps_after_catch_up_all_rows_go_on_as_dense():
   params, state = caught
   assert_moments(state, ref, range(VOCAB))
   assert_params(params, ref, bound, range(VOCAB))
+
+
+def test_catch_up_rows_reads_rows_as_dense_adam_has_them():
+  """Catching a batch's rows up before the step equals catching them up in the step."""
+  pattern = touch_pattern(13)
+  opt = osa.sparse_adamw(0.05, weight_decay=0.5, catch_up_idle_rows=True)
+  params = jnp.asarray(np.random.default_rng(0).normal(size=(VOCAB, DIM)), jnp.float32)
+  in_step = (params, opt.init(params))
+  before = (params, opt.init(params))
+  for ids, values in sparse_grads(pattern, 0):
+    grad = sparse.BCOO((jnp.asarray(values), jnp.asarray(ids)[:, None]), shape=(VOCAB, DIM))
+    p, s = before
+    p, s = osa.catch_up_rows(opt, p, s, jnp.concatenate([jnp.asarray(ids), jnp.array([-1, 99])]))
+    # The rows of the batch are up to date; the others are not touched.
+    np.testing.assert_array_equal(np.asarray(s.row_last_step)[ids], int(s.param_steps[0]))
+    updates, s = opt.update(grad, s, p)
+    before = (osa.apply_updates(p, updates), s)
+    updates, s = opt.update(grad, in_step[1], in_step[0])
+    in_step = (osa.apply_updates(in_step[0], updates), s)
+  for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(in_step), strict=True):
+    np.testing.assert_allclose(np.asarray(a, F64), np.asarray(b, F64), rtol=2e-6, atol=2e-7)
+
+
+def _steps(opt, params, grads, *, mesh=None):
+  state = opt.init(params)
+  step = jax.jit(lambda p, s, g: (lambda u, s: (osa.apply_updates(p, u), s))(*opt.update(g, s, p)))
+  for ids, values in grads:
+    grad = sparse.BCOO((jnp.asarray(values), jnp.asarray(ids)[:, None]), shape=(VOCAB, DIM))
+    params, state = step(params, state, grad)
+  return params, state
+
+
+def test_inside_optax_chain():
+  grads = sparse_grads(touch_pattern(9), 1)
+  inner = osa.sparse_adam(0.05, catch_up_idle_rows=True)
+  chained = optax.chain(inner, optax.identity())
+  params = jnp.ones((VOCAB, DIM))
+  alone = _steps(inner, params, grads)
+  in_chain = _steps(chained, params, grads)
+  np.testing.assert_array_equal(alone[0], in_chain[0])
+  caught = osa.catch_up_all_rows(inner, in_chain[0], in_chain[1][0])
+  want = osa.catch_up_all_rows(inner, *alone)
+  for a, b in zip(jax.tree.leaves(caught), jax.tree.leaves(want), strict=True):
+    np.testing.assert_array_equal(a, b)
+
+
+def test_inside_sparse_multi_steps():
+  """Every second mini-step steps the inner catch-up optimizer with the mean gradient."""
+  grads = sparse_grads(touch_pattern(12), 2)
+  inner = osa.sparse_adam(0.05, catch_up_idle_rows=True)
+  multi = osa.sparse_multi_steps(inner, every_k=2, max_nse=8)
+  params = jnp.ones((VOCAB, DIM))
+  got, state = _steps(multi, params, grads)
+  merged = []
+  for (ids_a, values_a), (ids_b, values_b) in zip(grads[::2], grads[1::2], strict=True):
+    merged.append((np.concatenate([ids_a, ids_b]), np.concatenate([values_a, values_b]) / 2))
+  want, want_state = _steps(inner, params, merged)
+  np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+  np.testing.assert_array_equal(state.inner_opt_state.row_last_step, want_state.row_last_step)
+
+
+def test_row_sharded_table_on_a_one_device_mesh_matches():
+  from jax.sharding import AxisType, NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  grads = sparse_grads(touch_pattern(9), 3)
+  opt = osa.sparse_adamw(0.05, weight_decay=0.5, catch_up_idle_rows=True)
+  params = jnp.ones((VOCAB, DIM))
+  want = _steps(opt, params, grads)
+  mesh = jax.make_mesh((1,), ("x",), axis_types=(AxisType.Explicit,))
+  with jax.set_mesh(mesh):
+    sharded = jax.device_put(params, NamedSharding(mesh, P("x", None)))
+    got = _steps(opt, sharded, grads)
+    assert got[1].row_last_step.sharding.spec == P("x")
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+    np.testing.assert_array_equal(a, b)
