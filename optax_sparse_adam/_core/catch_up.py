@@ -51,6 +51,7 @@ import jax
 import jax.numpy as jnp
 
 from optax_sparse_adam._core.adam import AdamHyperparams, AdamRule, bias_corrected_step_size
+from optax_sparse_adam._core.errors import is_python_number
 
 
 class CaughtUp(NamedTuple):
@@ -154,8 +155,11 @@ def idle_rows(
   second = slot_rows["nu_max"] if rule.amsgrad else v
   root = jnp.sqrt(second.astype(compute_dtype))
   denom = root + c(hyper.eps)
-  inverse = jnp.where(denom > 0, 1.0 / jnp.where(denom > 0, denom, 1.0), 0.0)
-  ratio = m * inverse  # 0 where m = v = 0 (a row never touched), even at eps = 0
+  if is_python_number(hyper.eps) and hyper.eps > 0:
+    inverse = 1.0 / denom
+  else:  # 0 where m = v = 0 (a row never touched), even at eps = 0
+    inverse = jnp.where(denom > 0, 1.0 / jnp.where(denom > 0, denom, 1.0), 0.0)
+  ratio = m * inverse
 
   decay_minus_one = None
   log_d = c(0.0)

@@ -477,3 +477,15 @@ def test_row_sharded_table_on_a_one_device_mesh_matches():
     assert got[1].row_last_step.sharding.spec == P("x")
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
     np.testing.assert_array_equal(a, b)
+
+
+def test_with_inject_hyperparams():
+  """Injected (traced) hyper-parameters give the same steps as floats, to float32 rounding."""
+  grads = sparse_grads(touch_pattern(9), 4)
+  kwargs = {"learning_rate": 0.05, "weight_decay": 0.5, "catch_up_idle_rows": True}
+  injected = optax.inject_hyperparams(osa.sparse_adamw)(**kwargs)
+  params = jnp.ones((VOCAB, DIM))
+  got, state = _steps(injected, params, grads)
+  want, want_state = _steps(osa.sparse_adamw(**kwargs), params, grads)
+  np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+  np.testing.assert_array_equal(state.inner_state.row_last_step, want_state.row_last_step)
