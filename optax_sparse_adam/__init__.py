@@ -16,6 +16,8 @@ from optax_sparse_adam._core.adam import AdamCoefficients as AdamCoefficients
 from optax_sparse_adam._core.adam import LeafState as LeafState
 from optax_sparse_adam._core.coalesce import coalesce_rows as coalesce_rows
 from optax_sparse_adam._optax.apply import apply_updates as apply_updates
+from optax_sparse_adam._optax.catch_up import catch_up_all_rows as catch_up_all_rows
+from optax_sparse_adam._optax.catch_up import catch_up_rows as catch_up_rows
 from optax_sparse_adam._optax.checks import check_sparse_grads as check_sparse_grads
 from optax_sparse_adam._optax.checks import sparse_grad_checks as sparse_grad_checks
 from optax_sparse_adam._optax.composition import lift_to_bcoo as lift_to_bcoo
@@ -38,6 +40,8 @@ __all__ = (
   "SparseMultiStepsState",
   "advise_huge_pages",
   "apply_updates",
+  "catch_up_all_rows",
+  "catch_up_rows",
   "check_sparse_grads",
   "coalesce_rows",
   "cpu_kernels_available",

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_sparse_adam._core import bcoo, coalesce, rounding
+from optax_sparse_adam._core import bcoo, catch_up, coalesce, rounding
 from optax_sparse_adam._core.rules import RowsStep, StepInputs, StepPlan, Tables
 
 
@@ -68,6 +68,30 @@ def masked_step(
     step = step.reshape(step.shape + (1,) * len(layout.dense_shape))
     row_step = bcoo.scatter_rows(row_step, rows, new_row_steps)
 
+  slot_rows = {slot.name: old for slot, old in zip(slots, old_rows, strict=True)}
+  last_step = tables.last_step
+  shift = None
+  if last_step is not None:
+    # Catch-up: the rows' idle steps first, as dense Adam would have taken them.
+    assert inputs.step is not None  # the optax layer gives a step with catch-up
+    last = bcoo.gather_rows(last_step, rows)
+    last = last.reshape(last.shape + (1,) * len(layout.dense_shape))
+    caught = catch_up.idle_rows(
+      rule,  # type: ignore[arg-type]  # the optax layer checks catch_up.supports(rule)
+      slot_rows,
+      jnp.maximum(inputs.step - 1 - last, 0),
+      last,
+      inputs.hyper,
+      decoupled=config.weight_decay == "decoupled",
+      compute_dtype=compute_dtype,
+    )
+    slot_rows, shift = caught.slot_rows, caught.shift
+    if caught.decay_minus_one is not None:
+      assert param_rows is not None
+      shift = shift + caught.decay_minus_one * param_rows
+      param_rows = param_rows + shift
+    last_step = bcoo.scatter_rows(last_step, rows, jnp.broadcast_to(inputs.step, rows.shape))
+
   store = rounding.slot_store(
     config.moment_rounding,
     slot_names=tuple(slot.name for slot in slots),
@@ -75,9 +99,10 @@ def masked_step(
     step=inputs.step,
     rows=rows,
   )
+
   delta, new_rows = rule.update(
     g,
-    {slot.name: old for slot, old in zip(slots, old_rows, strict=True)},
+    slot_rows,
     step,
     inputs.hyper,
     compute_dtype=compute_dtype,
@@ -90,6 +115,8 @@ def masked_step(
       inputs.hyper.weight_decay, compute_dtype
     )
     delta = delta - lr_wd * param_rows
+  if shift is not None:
+    delta = delta + shift
   valid = rows < layout.num_rows
   delta = jnp.where(
     valid.reshape(valid.shape + (1,) * len(layout.dense_shape)),
@@ -103,7 +130,7 @@ def masked_step(
     )
     for slot, table in zip(slots, slot_tables, strict=True)
   }
-  return RowsStep(rows, delta, Tables(new_slots, row_step))
+  return RowsStep(rows, delta, Tables(new_slots, row_step, last_step=last_step))
 
 
 def _present(x: jax.Array | None) -> jax.Array:

@@ -145,11 +145,14 @@ class Tables(NamedTuple):
       copy), or `(num_rows,)` for a per-row slot.
     row_step: int32 `(num_rows,)` steps of each row, or None (one step for all).
     param: the parameter, read for weight decay (never written), or None.
+    last_step: int32 `(num_rows,)`, the step up to which each row is caught up
+      (catch-up of idle rows, `_core.catch_up`), or None (lazy: idle rows wait).
   """
 
   slots: dict[str, jax.Array]
   row_step: jax.Array | None = None
   param: jax.Array | None = None
+  last_step: jax.Array | None = None
 
 
 class StepInputs(NamedTuple):
@@ -196,6 +199,7 @@ def init_tables(
   dtypes: Mapping[str, Any] | None = None,
   per_row_steps: bool = False,
   sparse_dims: int = 1,
+  last_steps: bool = False,
 ) -> Tables:
   """Zero slot tables for `param` (with its sharding), and zero row steps if asked.
 
@@ -204,6 +208,7 @@ def init_tables(
     param: the parameter.
     dtypes: a storage dtype by slot name (None or missing: the parameter's).
     per_row_steps: also keep an int32 step count per row.
+    last_steps: also keep the int32 step up to which each row is caught up.
     sparse_dims: the number of leading dims that index rows (1 for an
       embedding table), for per-row slots and row steps.
 
@@ -220,7 +225,8 @@ def init_tables(
     else:
       slots[slot.name] = jnp.zeros_like(param, dtype=dtype)
   row_step = _zeros_by_row(param, num_rows, sparse_dims, jnp.int32) if per_row_steps else None
-  return Tables(slots, row_step)
+  last_step = _zeros_by_row(param, num_rows, sparse_dims, jnp.int32) if last_steps else None
+  return Tables(slots, row_step, last_step=last_step)
 
 
 def _zeros_by_row(param: jax.Array, num_rows: int, sparse_dims: int, dtype: Any) -> jax.Array:

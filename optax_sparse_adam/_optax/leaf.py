@@ -230,14 +230,17 @@ def _check_tables(
       f"Parameter at {path_str(path)} is needed for weight decay: pass params "
       "to update(grads, state, params)."
     )
-  row_step = tables.row_step
-  if row_step is not None and row_step.shape != (layout.num_rows,):
-    raise ValueError(
-      f"Sparse gradient at {path_str(path)} indexes {layout.num_rows} rows "
-      f"(sparse dims {layout.sparse_shape}) but per-row bias correction keeps "
-      f"{row_step.shape[0]} row steps, one per index of the leading dim. Use "
-      "n_sparse=1 gradients (bcoo_update_layout(grad, n_dense=ndim - 1))."
-    )
+  for per_row, option in (
+    (tables.row_step, "per-row bias correction"),
+    (tables.last_step, "catch-up"),
+  ):
+    if per_row is not None and per_row.shape != (layout.num_rows,):
+      raise ValueError(
+        f"Sparse gradient at {path_str(path)} indexes {layout.num_rows} rows "
+        f"(sparse dims {layout.sparse_shape}) but {option} keeps "
+        f"{per_row.shape[0]} row steps, one per index of the leading dim. Use "
+        "n_sparse=1 gradients (bcoo_update_layout(grad, n_dense=ndim - 1))."
+      )
   for slot in rule.slots():
     table = tables.slots[slot.name]
     if slot.per_row and tuple(table.shape) != (layout.num_rows,):

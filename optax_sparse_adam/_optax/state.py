@@ -38,6 +38,8 @@ class SparseAdamState(NamedTuple):
       `amsgrad=True`, else None.
     row_step: per parameter, int32 steps of each row with
       `per_row_bias_correction=True`, else None.
+    row_last_step: per parameter, int32 `(num_rows,)`, the step up to which
+      each row is caught up with `catch_up_idle_rows=True`, else None.
   """
 
   # `count` shadows tuple.count, as in optax's states (ScaleByAdamState.count).
@@ -47,6 +49,7 @@ class SparseAdamState(NamedTuple):
   nu: optax.Updates
   nu_max: optax.Updates | None
   row_step: optax.Updates | None
+  row_last_step: optax.Updates | None = None
 
   @property
   def step(self) -> optax.Updates:

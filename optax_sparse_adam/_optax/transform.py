@@ -21,7 +21,7 @@ from optax_sparse_adam._core.errors import (
 from optax_sparse_adam._core.hyperparams import check_hyperparams, moment_dtype
 from optax_sparse_adam._core.rounding import MomentRounding
 from optax_sparse_adam._core.rowwise_adam import RowwiseAdamRule
-from optax_sparse_adam._optax import leaf
+from optax_sparse_adam._optax import catch_up, leaf
 from optax_sparse_adam._optax.state import (
   SparseAdamState,
   leaf_state_of,
@@ -48,6 +48,7 @@ class SparseAdamOptions(NamedTuple):
   nu_dtype: Any
   rowwise_second_moment: bool = False
   moment_rounding: MomentRounding = "nearest"
+  catch_up_idle_rows: bool = False
 
   @property
   def rule(self) -> AdamRule | RowwiseAdamRule:
@@ -61,6 +62,7 @@ def _init_state(params: optax.Params, options: SparseAdamOptions) -> SparseAdamS
   leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path(params)
   dtypes = {"mu": options.mu_dtype, "nu": options.nu_dtype}
   states = []
+  last_steps = []
   for path, param in leaves_with_path:
     bcoo.check_param_dtype(param, path)
     if options.moment_rounding == "stochastic":
@@ -73,10 +75,15 @@ def _init_state(params: optax.Params, options: SparseAdamOptions) -> SparseAdamS
             f"set {name}_dtype=jnp.bfloat16 (or float32), or moment_rounding='nearest'."
           )
     tables = rules.init_tables(
-      options.rule, param, dtypes=dtypes, per_row_steps=options.per_row_bias_correction
+      options.rule,
+      param,
+      dtypes=dtypes,
+      per_row_steps=options.per_row_bias_correction,
+      last_steps=options.catch_up_idle_rows,
     )
     step = jnp.zeros([], jnp.int32, device=sharding.replicated_like(param))
     states.append(leaf_state_of(step, tables))
+    last_steps.append(tables.last_step)
 
   def field(name: str, wanted: bool = True) -> Any:
     # None by the flags, not by what init was given: on params without leaves
@@ -93,6 +100,9 @@ def _init_state(params: optax.Params, options: SparseAdamOptions) -> SparseAdamS
     nu=field("nu"),
     nu_max=field("nu_max", options.amsgrad),
     row_step=field("row_step", options.per_row_bias_correction),
+    row_last_step=(
+      jax.tree_util.tree_unflatten(treedef, last_steps) if options.catch_up_idle_rows else None
+    ),
   )
 
 
@@ -148,6 +158,7 @@ def _scale_by_sparse_adam(options: SparseAdamOptions) -> optax.GradientTransform
   )
   rounding.check_rounding(options.moment_rounding)
   rule = options.rule
+  catch_up.check_options(options)
   config = rules.StepConfig(
     maximize=options.maximize,
     weight_decay=leaf.weight_decay_mode(weight_decay, decoupled=options.decoupled_weight_decay),
@@ -170,6 +181,7 @@ def _scale_by_sparse_adam(options: SparseAdamOptions) -> optax.GradientTransform
     states = leaf_states(treedef, paths, state, indices)
     param_leaves = leaves_up_to(treedef, params, "params", paths)
     _check_grads(grads_with_path, states, param_leaves)
+    last_steps = catch_up.last_step_leaves(treedef, paths, state, options.catch_up_idle_rows)
 
     lr = learning_rate(state.count) if callable(learning_rate) else learning_rate
     # A zero the compiler cannot see through: the math rounds each product before
@@ -178,15 +190,19 @@ def _scale_by_sparse_adam(options: SparseAdamOptions) -> optax.GradientTransform
     hyper = adam.hyperparams_of(adam.adam_coefficients(lr, b1, b2, eps, weight_decay))
     new_updates: list[sparse.BCOO | None] = []
     new_states: list[LeafState] = []
-    for (path, grad), leaf_state, param in zip(grads_with_path, states, param_leaves, strict=True):
+    new_last_steps: list[jax.Array | None] = []
+    for (path, grad), leaf_state, param, last_step in zip(
+      grads_with_path, states, param_leaves, last_steps, strict=True
+    ):
       if grad is None:
         new_updates.append(None)
         new_states.append(leaf_state)
+        new_last_steps.append(last_step)
         continue
       slots = {slot.name: getattr(leaf_state, slot.name) for slot in rule.slots()}
       step = leaf.masked_leaf_step(
         grad,
-        rules.Tables(slots, leaf_state.row_step, param),
+        rules.Tables(slots, leaf_state.row_step, param, last_step),
         leaf_state.step,
         rule=rule,
         config=config,
@@ -201,6 +217,7 @@ def _scale_by_sparse_adam(options: SparseAdamOptions) -> optax.GradientTransform
       assert step.step is not None  # given a step, it returns one
       new_updates.append(step.update)
       new_states.append(leaf_state_of(step.step, step.tables))
+      new_last_steps.append(step.tables.last_step)
 
     def field(name: str, old: Any) -> Any:
       if old is None:
@@ -220,9 +237,13 @@ def _scale_by_sparse_adam(options: SparseAdamOptions) -> optax.GradientTransform
       nu=field("nu", state.nu),
       nu_max=field("nu_max", state.nu_max),
       row_step=field("row_step", state.row_step),
+      row_last_step=(
+        None if state.row_last_step is None else jax.tree.unflatten(treedef, new_last_steps)
+      ),
     )
     return treedef.unflatten(new_updates), new_state
 
+  catch_up.register(update_fn, options)
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
@@ -240,6 +261,7 @@ def sparse_adam(
   nu_dtype: Any = None,
   rowwise_second_moment: bool = False,
   moment_rounding: MomentRounding = "nearest",
+  catch_up_idle_rows: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
   r"""Masked Adam for BCOO gradients, with the numerics of `torch.optim.SparseAdam`.
 
@@ -307,6 +329,12 @@ def sparse_adam(
       run, continued by a resumed run. "nearest" is the default because it is
       what a cast does (the results of bf16 moments stay as they were) and
       costs no hashing; with float32 moments the two are the same.
+    catch_up_idle_rows: take dense Adam's steps for the rows the gradients skip:
+      a row touched after :math:`k` idle steps first has its moments decayed by
+      :math:`\beta_1^k, \beta_2^k` and moves by the closed-form discharge of
+      :math:`m` over them (docs/catch_up.md: where exact, the bound elsewhere);
+      `catch_up_all_rows` does all rows. One int32 of state per row; needs
+      `weight_decay=0` (use `sparse_adamw`), no `per_row_bias_correction`.
 
   Returns:
     An `optax.GradientTransformationExtraArgs` whose state is a `SparseAdamState`;
@@ -349,6 +377,7 @@ def sparse_adamw(
   nu_dtype: Any = None,
   rowwise_second_moment: bool = False,
   moment_rounding: MomentRounding = "nearest",
+  catch_up_idle_rows: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
   r"""`sparse_adam` with decoupled weight decay, applied to the touched rows only.
 
@@ -357,7 +386,7 @@ def sparse_adamw(
 
   Rows that the gradient does not touch are not decayed: decay is lazy, like
   the moments. A row seen every `k` steps thus decays `k` times less than under
-  dense `optax.adamw`.
+  dense `optax.adamw`, unless `catch_up_idle_rows=True`.
 
   Args:
     learning_rate: a float, or an `optax.Schedule` of the number of updates.
@@ -375,6 +404,9 @@ def sparse_adamw(
       decay.
     moment_rounding: "nearest" or "stochastic", for bf16 moments (see
       `sparse_adam`).
+    catch_up_idle_rows: take dense AdamW's steps for the rows the gradients
+      skip (see `sparse_adam`), the decoupled decay included:
+      :math:`(1 - \alpha\lambda)^k` over :math:`k` idle steps.
 
   Returns:
     As `sparse_adam`: an `optax.GradientTransformationExtraArgs` (extra keyword

@@ -46,6 +46,10 @@ CONFIGS = {
     ),
     jnp.float32,
   ),
+  "catch_up_adamw": lambda: (
+    osa.sparse_adamw(0.05, weight_decay=0.1, catch_up_idle_rows=True),
+    jnp.float32,
+  ),
   "apply_if_finite": lambda: (
     optax.apply_if_finite(osa.sparse_adam(0.05), max_consecutive_errors=2),
     jnp.float32,

@@ -6,8 +6,8 @@ table instead. A rule with a kernel variant is listed in `_VARIANTS` by its
 name; the variant computes what `xla.masked_step` computes with that rule, bit
 for bit. The Adam and row-wise Adam variants are used only where they apply: on
 the CPU, float32 gradient and parameter, float32 or bfloat16 moments (stored in
-place, rounded as the step asks), with no amsgrad, weight decay or per-row bias
-correction, and arrays
+place, rounded as the step asks), with no amsgrad, weight decay, per-row bias
+correction or catch-up of idle rows, and arrays
 known to be on one device (XLA cannot partition a custom call: it would gather
 a sharded table onto every device, so possibly sharded tables keep the XLA
 path). Everything else runs XLA ops; `lax.platform_dependent` picks per backend
@@ -185,10 +185,11 @@ def use_cpu_kernels(enable: bool) -> Iterator[None]:
 
 
 def _plain_step_applies(inputs: StepInputs, plan: StepPlan) -> bool:
-  """Float32 gradient, float32 or bf16 `mu` and `nu`, no weight decay or per-row steps."""
+  """Float32 gradient, float32 or bf16 `mu` and `nu`, no weight decay, per-row steps or catch-up."""
   tables = inputs.tables
   return (
     tables.row_step is None
+    and tables.last_step is None
     and plan.config.weight_decay == "none"
     # Stochastic rounding keys on the step count (the XLA path refuses a step without one).
     and (inputs.step is not None or plan.config.moment_rounding == "nearest")
