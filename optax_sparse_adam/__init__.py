@@ -6,9 +6,7 @@ glue), `_backends` (how a step runs on each backend), and two front ends,
 docs/architecture.md.
 """
 
-import ast
-import functools
-import pathlib
+import importlib
 
 from optax_sparse_adam._backends.cpu.huge_pages import HugePageAdvice as HugePageAdvice
 from optax_sparse_adam._backends.cpu.huge_pages import advise_huge_pages as advise_huge_pages
@@ -54,16 +52,20 @@ __all__ = (
 )
 
 
-def __getattr__(name: str):
-  """The Flax glue's names, loaded on first use: flax is an optional extra.
+# The Flax glue's public names (`optax_sparse_adam.flax.__all__`, which a test checks this equals),
+# served from here on first use: flax is an optional extra, so importing this package must not
+# import it. They are not in `__all__`, so `from optax_sparse_adam import *` does not either.
+_FLAX_NAMES = tuple(
+  "LinenSparseEmbed LinenSparseEmbedBag SparseEmbed SparseEmbedBag SparseOptimizer SparseTable "
+  "SparseTableBox SparseTrainState embedding_bag_lookup embedding_lookup sparse_grad "
+  "sparse_value_and_grad table_labels".split()
+)
 
-  `osa.SparseEmbed` is `optax_sparse_adam.flax.SparseEmbed`. They are not in
-  `__all__`, so `from optax_sparse_adam import *` does not import flax.
-  """
-  if name != "flax" and name not in _flax_names():
+
+def __getattr__(name: str) -> object:
+  """The Flax glue and its names, on first use: `osa.SparseEmbed` is `osa.flax.SparseEmbed`."""
+  if name != "flax" and name not in _FLAX_NAMES:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-  import importlib
-
   try:
     flax_glue = importlib.import_module("optax_sparse_adam.flax")
   except ModuleNotFoundError as err:
@@ -75,14 +77,3 @@ def __getattr__(name: str):
       name="flax",
     ) from err
   return flax_glue if name == "flax" else getattr(flax_glue, name)
-
-
-@functools.cache
-def _flax_names() -> tuple[str, ...]:
-  # The glue's `__all__`, read from its source: listing the names here again
-  # would let the two lists drift, and importing it would import flax.
-  source = pathlib.Path(__file__).with_name("flax") / "__init__.py"
-  for node in ast.parse(source.read_text()).body:
-    if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == "__all__":
-      return tuple(ast.literal_eval(node.value))
-  raise AssertionError("optax_sparse_adam/flax/__init__.py defines no __all__")

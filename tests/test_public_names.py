@@ -3,6 +3,8 @@
 import importlib
 import pathlib
 import re
+import subprocess
+import sys
 
 import pytest
 
@@ -95,13 +97,29 @@ def test_the_flax_names_load_lazily_from_the_top_level():
   assert not set(osa.__all__) & RELEASED["optax_sparse_adam.flax"]  # `import *` needs no flax
 
 
+def test_the_lazy_flax_names_are_the_flax_glues_all():
+  """The top level's list of lazily served names is the glue's `__all__`, nothing more or less."""
+  pytest.importorskip("flax")
+  assert osa._FLAX_NAMES == osa.flax.__all__
+
+
+def test_importing_the_package_does_not_import_flax():
+  code = (
+    "import sys, optax_sparse_adam; from optax_sparse_adam import *; "
+    "print(sorted(m for m in sys.modules "
+    "if m == 'flax' or m.startswith(('flax.', 'optax_sparse_adam.flax'))))"
+  )
+  out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
+  assert out.stdout.strip() == "[]"
+
+
 def test_every_name_the_docs_use_exists():
   used = _used_names()
   assert len(used) > 20  # a control: the scan finds the names
   needs_flax = {"optax_sparse_adam.flax"}
   missing = []
   for module, name, path in used:
-    if module in needs_flax or (module == "optax_sparse_adam" and name in osa._flax_names()):
+    if module in needs_flax or (module == "optax_sparse_adam" and name in osa._FLAX_NAMES):
       pytest.importorskip("flax")
     if not hasattr(importlib.import_module(module), name):
       missing.append(f"{module}.{name} (used in {path})")

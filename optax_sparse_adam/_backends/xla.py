@@ -40,12 +40,15 @@ def masked_step(
   # The slots' old rows are gathered while the gradient is coalesced; one slot
   # table may come back holding scratch values in the touched rows, which the
   # scatters below overwrite.
-  coalesced, old_rows, slot_tables = coalescer(
+  coalesced, gathered, scattered_into = coalescer(
     inputs.rows,
     inputs.values,
     layout.num_rows,
     [as_rows(tables.slots[slot.name], slot.per_row) for slot in slots],
   )
+  # Every table given is an array, so every gathered row block and table is one.
+  old_rows = [_present(rows) for rows in gathered]
+  slot_tables = [_present(table) for table in scattered_into]
   rows = coalesced.rows
   g = coalesced.values.astype(compute_dtype)
   if config.maximize:
@@ -101,6 +104,11 @@ def masked_step(
     for slot, table in zip(slots, slot_tables, strict=True)
   }
   return RowsStep(rows, delta, Tables(new_slots, row_step))
+
+
+def _present(x: jax.Array | None) -> jax.Array:
+  assert x is not None
+  return x
 
 
 def scatter_add(

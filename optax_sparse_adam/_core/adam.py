@@ -95,6 +95,8 @@ def bias_corrected_step_size(
   coeffs: AdamCoefficients | AdamHyperparams, step: jax.Array
 ) -> jax.Array:
   """`lr * sqrt(1 - b2^t) / (1 - b1^t)` in float32 (or wider), for a step array `t >= 1`."""
+  assert coeffs.learning_rate is not None and coeffs.log_b1 is not None
+  assert coeffs.log_b2 is not None  # a caller without them gives the step size
   t = jnp.asarray(step).astype(jnp.result_type(float))
   bias_correction1 = -jnp.expm1(t * coeffs.log_b1)
   bias_correction2 = -jnp.expm1(t * coeffs.log_b2)
@@ -174,17 +176,19 @@ class AdamRule:
     amsgrad = (Slot("nu_max", dtype_of="nu"),) if self.amsgrad else ()
     return (Slot("mu"), Slot("nu"), *amsgrad)
 
-  def step_size(self, hyper: AdamHyperparams, step: jax.Array) -> Any:
+  def step_size(self, hyper: AdamHyperparams, step: jax.Array | None) -> Any:
     """The given step size, else `lr * sqrt(1 - b2^t) / (1 - b1^t)` for the step count(s)."""
     if hyper.step_size is not None:
       return hyper.step_size
+    if step is None:
+      raise ValueError("an Adam step needs a step count or a given step size")
     return bias_corrected_step_size(hyper, step)
 
   def update(
     self,
     grad: jax.Array,
     slot_rows: Mapping[str, jax.Array],
-    step: jax.Array,
+    step: jax.Array | None,
     hyper: AdamHyperparams,
     *,
     compute_dtype: Any,

@@ -18,13 +18,17 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import NamedTuple, Protocol
+from typing import NamedTuple, Protocol, TypeAlias
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 from optax_sparse_adam._core.bcoo import CoalescedRows, gather_rows
+
+# The coalesced gradient, each table's old rows at its rows, and the tables (one
+# of them possibly holding scratch in the touched rows).
+Coalesced: TypeAlias = tuple[CoalescedRows, list[jax.Array | None], list[jax.Array | None]]
 
 
 class Coalescer(Protocol):
@@ -36,7 +40,7 @@ class Coalescer(Protocol):
     values: jax.Array,
     num_rows: int,
     tables: Sequence[jax.Array | None],
-  ) -> tuple[CoalescedRows, list[jax.Array | None], list[jax.Array | None]]: ...
+  ) -> Coalesced: ...
 
 
 class SortedRows(NamedTuple):
@@ -179,11 +183,8 @@ def coalesce_rows(rows: jax.Array, values: jax.Array, num_rows: int) -> Coalesce
 
 
 def coalesce_and_gather_rows(
-  rows: jax.Array,
-  values: jax.Array,
-  num_rows: int,
-  tables: Sequence[jax.Array | None],
-) -> tuple[CoalescedRows, list[jax.Array | None], list[jax.Array | None]]:
+  rows: jax.Array, values: jax.Array, num_rows: int, tables: Sequence[jax.Array | None]
+) -> Coalesced:
   """`coalesce_rows`, plus the rows of `tables` at the distinct rows, the fast way.
 
   The result equals `coalesce_rows(rows, values, num_rows)` bit for bit, and
@@ -224,9 +225,9 @@ def coalesce_and_gather_rows(
   if scratch is None:
     segment = segments_by_search(rows, sorted_rows, num_rows)
   else:
-    segment, tables[scratch] = segments_by_marking(
-      rows, sorted_rows, tables[scratch], gathered[scratch]
-    )
+    table, old_rows = tables[scratch], gathered[scratch]
+    assert table is not None and old_rows is not None  # chosen among the arrays
+    segment, tables[scratch] = segments_by_marking(rows, sorted_rows, table, old_rows)
   return CoalescedRows(unique_rows, segment_sum(values, segment)), gathered, tables
 
 
@@ -247,11 +248,8 @@ def coalesce_by_one_sort(rows: jax.Array, values: jax.Array, num_rows: int) -> C
 
 
 def coalesce_and_gather_by_one_sort(
-  rows: jax.Array,
-  values: jax.Array,
-  num_rows: int,
-  tables: Sequence[jax.Array | None],
-) -> tuple[CoalescedRows, list[jax.Array | None], list[jax.Array | None]]:
+  rows: jax.Array, values: jax.Array, num_rows: int, tables: Sequence[jax.Array | None]
+) -> Coalesced:
   """`coalesce_and_gather_rows` by `coalesce_by_one_sort`: the same results, tables untouched."""
   tables = list(tables)
   if rows.shape[0] == 0:

@@ -5,7 +5,7 @@ The rules that several modules share live here once: what a gradient leaf is
 tree whose structure differs from the gradients' is reported.
 """
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -58,6 +58,18 @@ def path_difference(
   return f" ({'; '.join(parts)})" if parts else ""
 
 
+def flatten_up_to(treedef: Any, tree: Any, mismatch: Callable[[], str]) -> list[Any]:
+  """`treedef.flatten_up_to(tree)`: a `ValueError` saying `mismatch()` if `tree` does not fit.
+
+  `treedef` is typed `Any`: jaxlib ships no type stub for `PyTreeDef`, so its methods are
+  unknown to a type checker.
+  """
+  try:
+    return treedef.flatten_up_to(tree)
+  except (ValueError, TypeError) as err:
+    raise ValueError(mismatch()) from err
+
+
 def leaves_up_to(
   treedef: Any, tree: Any, what: str, paths: Sequence[Any] | None = None
 ) -> list[Any]:
@@ -77,16 +89,17 @@ def leaves_up_to(
   """
   if tree is None:
     return [None] * treedef.num_leaves
-  try:
-    leaves = treedef.flatten_up_to(tree)
-  except (ValueError, TypeError) as err:
-    raise ValueError(
+  leaves = flatten_up_to(
+    treedef,
+    tree,
+    lambda: (
       f"The gradient tree's structure differs from the {what}'s"
       f"{'' if paths is None else path_difference(paths, tree, what)}. Gradients: "
       f"{treedef}; {what}: "
       f"{jax.tree_util.tree_structure(tree)}. Pass gradients with the structure of "
       "the params given to init."
-    ) from err
+    ),
+  )
   for path, leaf in zip(paths or [()] * len(leaves), leaves, strict=True):
     if leaf is not None and not jax.tree_util.treedef_is_leaf(jax.tree_util.tree_structure(leaf)):
       raise ValueError(

@@ -75,7 +75,7 @@ class RowRule(Protocol):
     self,
     grad: jax.Array,
     slot_rows: Mapping[str, jax.Array],
-    step: jax.Array,
+    step: jax.Array | None,
     hyper: Any,
     *,
     compute_dtype: Any,
@@ -90,7 +90,8 @@ class RowRule(Protocol):
       slot_rows: each slot's old rows, in its storage dtype: `(n, *dense_shape)`
         for a full-width slot, `(n,)` for a per-row one.
       step: int32, the step count this update makes: a scalar (the
-        parameter's), or `(n, 1, ...)` (each row's, broadcastable to `grad`).
+        parameter's), or `(n, 1, ...)` (each row's, broadcastable to `grad`);
+        None where the caller gave none (`StepInputs.step`).
       hyper: the rule's hyper-parameters.
       compute_dtype: the dtype of the arithmetic.
       opaque_zero: an int32 zero known only at run time, or None; when given,

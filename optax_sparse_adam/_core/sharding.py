@@ -17,7 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 
 def _context_mesh() -> Any:
@@ -135,3 +135,16 @@ def _flattened_axis(spec: PartitionSpec, num_dims: int) -> Any:
   if any(entry is not None for entry in entries[1:num_dims]):
     return None
   return entries[0]
+
+
+def replicated_vector(replicated: NamedSharding | None) -> NamedSharding | None:
+  """`replicated` (from `replicated_like`) in the form a jitted step returns for a vector.
+
+  A step returns a replicated vector as `P(None,)` where the mesh has an `Explicit`
+  axis (its type names every dim) and as `P()` under `Auto` axes; a vector that starts
+  in the other form makes the second step compile again.
+  """
+  if replicated is None:
+    return None
+  explicit = any(t == AxisType.Explicit for t in getattr(replicated.mesh, "axis_types", ()))
+  return NamedSharding(replicated.mesh, PartitionSpec(None) if explicit else PartitionSpec())

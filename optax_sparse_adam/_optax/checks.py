@@ -131,7 +131,7 @@ def check_sparse_grads(
 
 def sparse_grad_checks(
   *, allow_padding: bool = True, check_finite: bool = True
-) -> optax.GradientTransformation:
+) -> optax.GradientTransformationExtraArgs:
   """An identity transformation that runs `check_sparse_grads` on the gradients.
 
   Chain it in front of `sparse_adam` while debugging, and functionalize the
@@ -143,7 +143,8 @@ def sparse_grad_checks(
     check_finite: also report in-range entries holding NaN or Inf.
 
   Returns:
-    An `optax.GradientTransformation` that returns the gradients unchanged.
+    An `optax.GradientTransformationExtraArgs` that returns the gradients
+    unchanged (and ignores extra keyword arguments of `update`).
 
   Example:
     >>> import optax, optax_sparse_adam as osa
@@ -155,9 +156,13 @@ def sparse_grad_checks(
     return optax.EmptyState()
 
   def update_fn(
-    updates: optax.Updates, state: optax.EmptyState, params: optax.Params | None = None
+    updates: optax.Updates,
+    state: optax.EmptyState,
+    params: optax.Params | None = None,
+    **extra_args: Any,
   ) -> tuple[optax.Updates, optax.EmptyState]:
+    del extra_args
     check_sparse_grads(updates, params, allow_padding=allow_padding, check_finite=check_finite)
     return updates, state
 
-  return optax.GradientTransformation(init_fn, update_fn)
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)

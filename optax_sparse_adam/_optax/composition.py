@@ -30,6 +30,7 @@ from optax_sparse_adam._core import bcoo, coalesce
 from optax_sparse_adam._core.errors import (
   describe,
   flatten_grads,
+  flatten_up_to,
   is_grad_leaf,
   leaves_up_to,
   path_str,
@@ -69,8 +70,8 @@ class _Lifted(NamedTuple):
   """Coalesced views of the BCOO leaves of one gradient tree."""
 
   treedef: Any
-  layouts: list[bcoo.RowLayout | None]
-  rows: list[jax.Array | None]
+  # Per leaf: a BCOO's layout and coalesced row ids, or None for a dense or None leaf.
+  rows: list[tuple[bcoo.RowLayout, jax.Array] | None]
   values: list[Any]
   params: list[Any]
 
@@ -79,10 +80,10 @@ def _lift(updates: Any, params: Any, who: str) -> _Lifted:
   """Coalesces every BCOO leaf; gathers the matching rows of its parameter."""
   leaves_with_path, treedef = flatten_grads(updates)
   param_leaves = leaves_up_to(treedef, params, "params")
-  layouts, rows, values, lifted_params = [], [], [], []
+  rows: list[tuple[bcoo.RowLayout, jax.Array] | None] = []
+  values, lifted_params = [], []
   for (path, grad), param in zip(leaves_with_path, param_leaves, strict=True):
     if not isinstance(grad, sparse.BCOO):
-      layouts.append(None)
       rows.append(None)
       values.append(grad)
       lifted_params.append(param)
@@ -91,15 +92,14 @@ def _lift(updates: Any, params: Any, who: str) -> _Lifted:
     coalesced = coalesce.coalesce_rows(
       bcoo.linear_rows(grad.indices, layout), grad.data, layout.num_rows
     )
-    layouts.append(layout)
-    rows.append(coalesced.rows)
+    rows.append((layout, coalesced.rows))
     values.append(coalesced.values)
     lifted_params.append(
       None
       if param is None
       else bcoo.gather_rows(bcoo.as_rows(jnp.asarray(param), layout), coalesced.rows)
     )
-  return _Lifted(treedef, layouts, rows, values, lifted_params)
+  return _Lifted(treedef, rows, values, lifted_params)
 
 
 def checked_row_layout(
@@ -181,31 +181,29 @@ def lift_to_bcoo(inner: optax.GradientTransformation) -> optax.GradientTransform
       )
     return inner.init(params)
 
-  def update_fn(
-    updates: optax.Updates,
-    state: optax.OptState,
-    params: optax.Params | None = None,
-    **extra_args: Any,
-  ) -> tuple[optax.Updates, optax.OptState]:
+  # Unannotated, as optax's own update functions: the returned transformation is the typed API.
+  def update_fn(updates, state, params=None, **extra_args):
     lifted = _lift(updates, params, who)
     values = lifted.treedef.unflatten(lifted.values)
     inner_params = None if params is None else lifted.treedef.unflatten(lifted.params)
     new_values, new_state = inner.update(values, state, inner_params, **extra_args)
-    try:
-      out_leaves = lifted.treedef.flatten_up_to(new_values)
-    except (ValueError, TypeError) as err:
-      raise ValueError(
+    out_leaves = flatten_up_to(
+      lifted.treedef,
+      new_values,
+      lambda: (
         f"{who}: the wrapped transformation changed the updates' tree structure "
         f"from {lifted.treedef} to {jax.tree_util.tree_structure(new_values)}."
-      ) from err
+      ),
+    )
     leaves_with_path, _ = flatten_grads(updates)
     out = []
-    for (path, _), out_leaf, values_leaf, rows, layout in zip(
-      leaves_with_path, out_leaves, lifted.values, lifted.rows, lifted.layouts, strict=True
+    for (path, _), out_leaf, values_leaf, lifted_rows in zip(
+      leaves_with_path, out_leaves, lifted.values, lifted.rows, strict=True
     ):
-      if layout is None:
+      if lifted_rows is None:
         out.append(out_leaf)
         continue
+      layout, rows = lifted_rows
       if jnp.shape(out_leaf) != values_leaf.shape:
         raise ValueError(
           f"{who}: the wrapped transformation turned the rows of the BCOO "
@@ -310,12 +308,7 @@ def sparse_apply_if_finite(
       inner_state=inner.init(params),
     )
 
-  def update_fn(
-    updates: optax.Updates,
-    state: optax.ApplyIfFiniteState,
-    params: optax.Params | None = None,
-    **extra_args: Any,
-  ) -> tuple[optax.Updates, optax.ApplyIfFiniteState]:
+  def update_fn(updates, state, params=None, **extra_args):
     is_finite = _all_finite(updates, params, who)
     notfinite_count = jnp.where(
       is_finite, jnp.zeros([], jnp.int32), optax.safe_increment(state.notfinite_count)

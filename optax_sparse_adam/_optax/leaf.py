@@ -101,6 +101,7 @@ def sparse_adam_leaf_step(
     opaque_zero=opaque_zero,
   )
   new_slots = step.tables.slots
+  assert step.step is not None  # given a step, it returns one
   new_state = LeafState(
     step.step, new_slots["mu"], new_slots["nu"], new_slots.get("nu_max"), step.tables.row_step
   )

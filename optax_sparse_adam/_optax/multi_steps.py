@@ -19,6 +19,7 @@ from optax_sparse_adam._core import bcoo
 from optax_sparse_adam._core.errors import (
   describe,
   flatten_grads,
+  flatten_up_to,
   leaves_up_to,
   path_str,
 )
@@ -123,23 +124,22 @@ def sparse_multi_steps(
   who = "sparse_multi_steps"
 
   def caps_of(params: Any) -> list[Any]:
-    treedef = jax.tree.structure(params)
+    params_with_path, treedef = jax.tree_util.tree_flatten_with_path(params)
     if isinstance(max_nse, int) and not isinstance(max_nse, bool):
-      caps = [max_nse] * treedef.num_leaves
+      caps = [max_nse] * len(params_with_path)
     else:
-      try:
-        caps = treedef.flatten_up_to(max_nse)
-      except (ValueError, TypeError) as err:
-        raise ValueError(
+      caps = flatten_up_to(
+        treedef,
+        max_nse,
+        lambda: (
           f"{who}: max_nse must be an int or a pytree with the params' structure "
           f"{treedef} (an int per BCOO leaf, None per dense leaf), got {max_nse!r}."
-        ) from err
-    for path_and_param, cap in zip(
-      jax.tree_util.tree_flatten_with_path(params)[0], caps, strict=True
-    ):
+        ),
+      )
+    for (path, _), cap in zip(params_with_path, caps, strict=True):
       if cap is not None and (not isinstance(cap, int) or isinstance(cap, bool) or cap < 1):
         raise ValueError(
-          f"{who}: max_nse for the parameter at {path_str(path_and_param[0])} must "
+          f"{who}: max_nse for the parameter at {path_str(path)} must "
           f"be a positive int or None, got {cap!r}."
         )
     return caps
@@ -147,7 +147,7 @@ def sparse_multi_steps(
   def init_fn(params: optax.Params) -> SparseMultiStepsState:
     caps = caps_of(params)
     leaves, treedef = jax.tree.flatten(params)
-    acc = []
+    acc: list[jax.Array | RowBuffer] = []
     for param, cap in zip(leaves, caps, strict=True):
       param = jnp.asarray(param)
       if cap is None:
@@ -168,7 +168,7 @@ def sparse_multi_steps(
       mini_step=jnp.zeros([], jnp.int32),
       gradient_step=jnp.zeros([], jnp.int32),
       inner_opt_state=inner.init(params),
-      acc_grads=treedef.unflatten(acc),
+      acc_grads=jax.tree.unflatten(treedef, acc),
     )
 
   def update_fn(
@@ -180,7 +180,9 @@ def sparse_multi_steps(
     leaves_with_path, treedef = flatten_grads(updates)
     acc_leaves = treedef.flatten_up_to(state.acc_grads)
     param_leaves = leaves_up_to(treedef, params, "params")
-    new_acc, cycle_grads, missing = [], [], []
+    # Per leaf a RowBuffer, an array or None, each kind where the gradient and state have it.
+    new_acc: list[Any] = []
+    cycle_grads, missing = [], []
     for (path, grad), acc, param in zip(leaves_with_path, acc_leaves, param_leaves, strict=True):
       if isinstance(acc, RowBuffer) and grad is None:
         # Nothing to add, but this mini-step's slot still holds the previous

@@ -2,31 +2,48 @@
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from collections.abc import Mapping
+from typing import Any, NamedTuple, TypeAlias
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.experimental import sparse
 
 from optax_sparse_adam._core import adam, bcoo, rounding, rules, sharding
 from optax_sparse_adam._core.adam import AdamRule, LeafState
-from optax_sparse_adam._core.errors import describe, flatten_grads, leaves_up_to, path_str
+from optax_sparse_adam._core.errors import (
+  describe,
+  flatten_grads,
+  flatten_up_to,
+  leaves_up_to,
+  path_str,
+)
 from optax_sparse_adam._core.hyperparams import check_hyperparams, moment_dtype
 from optax_sparse_adam._core.rounding import MomentRounding
 from optax_sparse_adam._core.rowwise_adam import RowwiseAdamRule
 from optax_sparse_adam._optax import leaf
 
-ScalarOrSchedule = float | jax.Array | optax.Schedule
+ScalarOrSchedule: TypeAlias = float | jax.Array | optax.Schedule
 
 
 class SparseAdamState(NamedTuple):
   """State of `sparse_adam`.
 
+  Its structure depends only on the flags given to `sparse_adam`, never on
+  the params given to `init`, so `optax.tree.map_params` finds the fields that
+  follow the params (`mu`, `nu`, `nu_max`, `row_step`) and maps the others
+  (`count`, `param_steps`) with `transform_non_params`.
+
   Attributes:
     count: int32 number of `update` calls, the input of a learning-rate schedule.
-    step: per parameter, int32 number of steps it has taken (torch's
+    param_steps: int32 `(num_params,)`, per parameter (in the order of the
+      params' leaves) the number of steps it has taken (torch's
       `state['step']`); a parameter whose gradient is None does not advance.
+      One vector, not a tree of scalars like the params, so that a
+      parameter's sharding is never given to its counter. Read it per
+      parameter as `step`.
     mu: per parameter, the first moment (torch's `exp_avg`).
     nu: per parameter, the second moment (torch's `exp_avg_sq`); with
       `rowwise_second_moment=True`, one value per row, shape `(num_rows,)`.
@@ -36,12 +53,63 @@ class SparseAdamState(NamedTuple):
       `per_row_bias_correction=True`, else None.
   """
 
-  count: jax.Array
-  step: optax.Updates
+  # `count` shadows tuple.count, as in optax's states (ScaleByAdamState.count).
+  count: jax.Array  # type: ignore[assignment]
+  param_steps: jax.Array
   mu: optax.Updates
   nu: optax.Updates
   nu_max: optax.Updates | None
   row_step: optax.Updates | None
+
+  @property
+  def step(self) -> optax.Updates:
+    """`param_steps` as a tree like the params: each parameter's step count, a scalar."""
+    leaves, treedef = jax.tree.flatten(self.mu)
+    return jax.tree.unflatten(treedef, [self.param_steps[i] for i in range(len(leaves))])
+
+  @classmethod
+  def from_step_tree(cls, old: Any) -> SparseAdamState:
+    """A state of the 0.1.0 layout, whose `step` is a tree like the params, in this layout.
+
+    Args:
+      old: an object or a mapping with the fields `count`, `step` (a scalar per
+        parameter, in a tree like `mu`'s), `mu`, `nu` and optionally `nu_max` and
+        `row_step`: e.g. the `opt_state` of a checkpoint restored without a
+        target (`orbax.checkpoint.StandardCheckpointer().restore(path)`).
+
+    Returns:
+      The same state with `param_steps` in place of `step`.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> import optax_sparse_adam as osa
+      >>> old = {"count": 2, "step": {"a": 2, "b": 1}, "mu": {"a": jnp.zeros(3), "b": jnp.zeros(2)},
+      ...        "nu": {"a": jnp.zeros(3), "b": jnp.zeros(2)}}
+      >>> osa.SparseAdamState.from_step_tree(old).param_steps
+      Array([2, 1], dtype=int32)
+    """
+
+    def get(name: str) -> Any:
+      return old.get(name) if isinstance(old, Mapping) else getattr(old, name, None)
+
+    mu = get("mu")
+    treedef = jax.tree.structure(mu)
+    steps = flatten_up_to(
+      treedef,
+      get("step"),
+      lambda: (
+        f"from_step_tree: the old state's step must be a tree like its mu ({treedef}), "
+        f"got {get('step')!r}."
+      ),
+    )
+    return cls(
+      count=jnp.asarray(get("count"), jnp.int32),
+      param_steps=jnp.asarray(np.array(steps, np.int64).reshape(-1), jnp.int32),
+      mu=mu,
+      nu=get("nu"),
+      nu_max=get("nu_max"),
+      row_step=get("row_step"),
+    )
 
 
 class SparseAdamOptions(NamedTuple):
@@ -75,36 +143,28 @@ def _init_state(params: optax.Params, options: SparseAdamOptions) -> SparseAdamS
   states = []
   for path, param in leaves_with_path:
     bcoo.check_param_dtype(param, path)
-    if options.moment_rounding == "stochastic":
-      for name in ("mu", "nu"):
-        dtype = dtypes[name] or param.dtype
-        if not rounding.stochastic_supported(dtype):
-          raise ValueError(
-            f"moment_rounding='stochastic' rounds moments to bfloat16 only, but the "
-            f"{name} of the parameter at {path_str(path)} would be {jnp.dtype(dtype)}: "
-            f"set {name}_dtype=jnp.bfloat16 (or float32), or moment_rounding='nearest'."
-          )
+    rounding.check_slot_dtypes(options.moment_rounding, dtypes, param.dtype, path)
     tables = rules.init_tables(
       options.rule, param, dtypes=dtypes, per_row_steps=options.per_row_bias_correction
     )
     step = jnp.zeros([], jnp.int32, device=sharding.replicated_like(param))
     states.append(_leaf_state(step, tables))
 
-  def field(name: str) -> Any:
-    values = [getattr(s, name) for s in states]
-    if any(v is None for v in values):
+  def field(name: str, wanted: bool = True) -> Any:
+    # None by the flags, not by what init was given: on params without leaves
+    # (optax.tree.map_params's placeholder) the field still says it follows them.
+    if not wanted:
       return None
-    return jax.tree_util.tree_unflatten(treedef, values)
+    return jax.tree_util.tree_unflatten(treedef, [getattr(s, name) for s in states])
 
+  replicated = sharding.replicated_like(*(leaf for _, leaf in leaves_with_path))
   return SparseAdamState(
-    count=jnp.zeros(
-      [], jnp.int32, device=sharding.replicated_like(*(leaf for _, leaf in leaves_with_path))
-    ),
-    step=field("step"),
+    count=jnp.zeros([], jnp.int32, device=replicated),
+    param_steps=jnp.zeros([len(states)], jnp.int32, device=sharding.replicated_vector(replicated)),
     mu=field("mu"),
     nu=field("nu"),
-    nu_max=field("nu_max"),
-    row_step=field("row_step"),
+    nu_max=field("nu_max", options.amsgrad),
+    row_step=field("row_step", options.per_row_bias_correction),
   )
 
 
@@ -113,14 +173,34 @@ def _leaf_state(step: jax.Array, tables: rules.Tables) -> LeafState:
   return LeafState(step, slots["mu"], slots["nu"], slots.get("nu_max"), tables.row_step)
 
 
-def _leaf_states(treedef: Any, paths: list[Any], state: SparseAdamState) -> list[LeafState]:
-  """One `LeafState` per gradient leaf, read from the state's fields."""
-  step = leaves_up_to(treedef, state.step, "optimizer state", paths)
+def _param_indices(treedef: Any, paths: list[Any], state: SparseAdamState) -> list[int | None]:
+  """Per gradient leaf, its parameter's position in `state.param_steps` (None: no parameter)."""
+  num_params = len(jax.tree.leaves(state.mu))
+  steps_shape = getattr(state.param_steps, "shape", None)
+  if steps_shape is None or tuple(steps_shape) != (num_params,):
+    raise ValueError(
+      f"The optimizer state's param_steps has shape {steps_shape}, but its moments hold "
+      f"{num_params} parameters: param_steps must be int32 ({num_params},), one step "
+      "count per parameter. A SparseAdamState whose step counts are a tree like the "
+      "params (the layout of 0.1.0) converts with SparseAdamState.from_step_tree."
+    )
+  indices = jax.tree.unflatten(jax.tree.structure(state.mu), range(num_params))
+  return leaves_up_to(treedef, indices, "optimizer state", paths)
+
+
+def _leaf_states(
+  treedef: Any, paths: list[Any], state: SparseAdamState, indices: list[int | None]
+) -> list[LeafState]:
+  """One `LeafState` per gradient leaf (None where the gradient has no parameter)."""
+  step = [None if i is None else state.param_steps[i] for i in indices]
   mu = leaves_up_to(treedef, state.mu, "optimizer state", paths)
   nu = leaves_up_to(treedef, state.nu, "optimizer state", paths)
   nu_max = leaves_up_to(treedef, state.nu_max, "optimizer state", paths)
   row_step = leaves_up_to(treedef, state.row_step, "optimizer state", paths)
-  return [LeafState(*fields) for fields in zip(step, mu, nu, nu_max, row_step, strict=True)]
+  return [
+    LeafState(*fields)  # type: ignore[arg-type]  # step is None only where grad is
+    for fields in zip(step, mu, nu, nu_max, row_step, strict=True)
+  ]
 
 
 def _check_grads(
@@ -158,7 +238,7 @@ def _check_grads(
       )
 
 
-def _scale_by_sparse_adam(options: SparseAdamOptions) -> optax.GradientTransformation:
+def _scale_by_sparse_adam(options: SparseAdamOptions) -> optax.GradientTransformationExtraArgs:
   """The transformation behind `sparse_adam` and `sparse_adamw` (see `sparse_adam`).
 
   `update` reads each parameter's `LeafState`, checks every gradient leaf, then
@@ -185,11 +265,16 @@ def _scale_by_sparse_adam(options: SparseAdamOptions) -> optax.GradientTransform
     return _init_state(params, options)
 
   def update_fn(
-    updates: optax.Updates, state: SparseAdamState, params: optax.Params | None = None
+    updates: optax.Updates,
+    state: SparseAdamState,
+    params: optax.Params | None = None,
+    **extra_args: Any,
   ) -> tuple[optax.Updates, SparseAdamState]:
+    del extra_args  # e.g. `value=` for a later optax.contrib.reduce_on_plateau
     grads_with_path, treedef = flatten_grads(updates)
     paths = [path for path, _ in grads_with_path]
-    states = _leaf_states(treedef, paths, state)
+    indices = _param_indices(treedef, paths, state)
+    states = _leaf_states(treedef, paths, state, indices)
     param_leaves = leaves_up_to(treedef, params, "params", paths)
     _check_grads(grads_with_path, states, param_leaves)
 
@@ -198,7 +283,8 @@ def _scale_by_sparse_adam(options: SparseAdamOptions) -> optax.GradientTransform
     # adding it, as torch does, instead of XLA contracting the pair into an FMA.
     opaque_zero = jnp.minimum(state.count, 0)
     hyper = adam.hyperparams_of(adam.adam_coefficients(lr, b1, b2, eps, weight_decay))
-    new_updates, new_states = [], []
+    new_updates: list[sparse.BCOO | None] = []
+    new_states: list[LeafState] = []
     for (path, grad), leaf_state, param in zip(grads_with_path, states, param_leaves, strict=True):
       if grad is None:
         new_updates.append(None)
@@ -219,6 +305,7 @@ def _scale_by_sparse_adam(options: SparseAdamOptions) -> optax.GradientTransform
         # optax.apply_if_finite need both branches to match.
         update_flags=(grad.indices_sorted, grad.unique_indices),
       )
+      assert step.step is not None  # given a step, it returns one
       new_updates.append(step.update)
       new_states.append(_leaf_state(step.step, step.tables))
 
@@ -227,9 +314,15 @@ def _scale_by_sparse_adam(options: SparseAdamOptions) -> optax.GradientTransform
         return None
       return treedef.unflatten([getattr(s, name) for s in new_states])
 
+    # The parameters stepped now advance by one (saturating, as each leaf's step does).
+    stepped = np.zeros(state.param_steps.shape, bool)
+    for (_, grad), index in zip(grads_with_path, indices, strict=True):
+      if grad is not None and index is not None:
+        stepped[index] = True
+    param_steps = jnp.where(stepped, optax.safe_increment(state.param_steps), state.param_steps)
     new_state = SparseAdamState(
       count=optax.safe_increment(state.count),
-      step=field("step", state.step),
+      param_steps=param_steps,
       mu=field("mu", state.mu),
       nu=field("nu", state.nu),
       nu_max=field("nu_max", state.nu_max),
@@ -237,7 +330,7 @@ def _scale_by_sparse_adam(options: SparseAdamOptions) -> optax.GradientTransform
     )
     return treedef.unflatten(new_updates), new_state
 
-  return optax.GradientTransformation(init_fn, update_fn)
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
 def sparse_adam(
@@ -254,7 +347,7 @@ def sparse_adam(
   nu_dtype: Any = None,
   rowwise_second_moment: bool = False,
   moment_rounding: MomentRounding = "nearest",
-) -> optax.GradientTransformation:
+) -> optax.GradientTransformationExtraArgs:
   r"""Masked Adam for BCOO gradients, with the numerics of `torch.optim.SparseAdam`.
 
   For each parameter whose gradient is a `jax.experimental.sparse.BCOO`, with
@@ -302,28 +395,22 @@ def sparse_adam(
       costs one int32 per row of state.
     mu_dtype: dtype of the first moment; default the parameter's.
     nu_dtype: dtype of the second moment; default the parameter's.
-    rowwise_second_moment: keep one second moment per row (FBGEMM's
-      PARTIAL_ROWWISE_ADAM, `RowwiseAdamRule`): :math:`v_r \leftarrow v_r +
-      (1 - \beta_2)(\mathrm{mean}(g_r^2) - v_r)` over the row's values, and
-      :math:`u_r = -\alpha \hat m_r / (\sqrt{\hat v_r} + \epsilon)` with both
-      moments bias-corrected (:math:`\epsilon` outside the corrected root, as in
-      FBGEMM and `optax.adam`). The state's `nu` is then `(num_rows,)`: about
-      half the memory of full Adam. Gradients must index rows by the leading
-      dim only (`n_sparse=1`). Not torch's SparseAdam: off by default.
-    moment_rounding: how moments kept in bfloat16 (`mu_dtype`/`nu_dtype`) are
-      rounded when stored: "nearest" (the default) or "stochastic". Rounded to
-      nearest, an update below half a bf16 ulp (2^-9 of the moment) is lost
-      every step, so a slowly moving moment stalls (`v` stops tracking a
-      shrinking :math:`g^2` once :math:`|g^2 - v| < 2v` at `b2=0.999`).
-      Stochastic rounding rounds up with probability equal to the dropped
-      fraction, unbiased in expectation, with random bits hashed from the
-      parameter's step count, the row and the element: the same bits in every
-      run, continued by a resumed run. "nearest" is the default because it is
-      what a cast does (the results of bf16 moments stay as they were) and
-      costs no hashing; with float32 moments the two are the same.
+    rowwise_second_moment: keep one second moment per row, the mean of the
+      row's :math:`g^2` averaged (FBGEMM's PARTIAL_ROWWISE_ADAM,
+      `RowwiseAdamRule`; both moments bias-corrected, :math:`\epsilon` outside
+      the corrected root). `nu` is then `(num_rows,)`; gradients must have
+      `n_sparse=1`. Not torch's numerics: off by default.
+    moment_rounding: how bf16 moments are stored: "nearest" (a cast; the
+      default, so bf16 results stay as they were) or "stochastic" (unbiased,
+      with bits hashed from the step, row and element: reproducible, and a
+      resumed run continues the stream). To nearest, an update below half a
+      bf16 ulp is lost every step, so slowly moving moments stall. See the
+      Memory page of the docs.
 
   Returns:
-    An `optax.GradientTransformation` whose state is a `SparseAdamState`.
+    An `optax.GradientTransformationExtraArgs` whose state is a `SparseAdamState`;
+    `update` ignores keyword arguments it does not use (such as `value=` for a
+    later `optax.contrib.reduce_on_plateau`), as optax's optimizers do.
 
   Example:
     >>> import jax, jax.numpy as jnp
@@ -361,7 +448,7 @@ def sparse_adamw(
   nu_dtype: Any = None,
   rowwise_second_moment: bool = False,
   moment_rounding: MomentRounding = "nearest",
-) -> optax.GradientTransformation:
+) -> optax.GradientTransformationExtraArgs:
   r"""`sparse_adam` with decoupled weight decay, applied to the touched rows only.
 
   .. math::
@@ -389,7 +476,8 @@ def sparse_adamw(
       `sparse_adam`).
 
   Returns:
-    An `optax.GradientTransformation` whose state is a `SparseAdamState`.
+    As `sparse_adam`: an `optax.GradientTransformationExtraArgs` (extra keyword
+    arguments of `update` are ignored) whose state is a `SparseAdamState`.
 
   Example:
     >>> import jax.numpy as jnp

@@ -26,7 +26,7 @@ from jax import lax
 from optax_sparse_adam._core.errors import describe
 from optax_sparse_adam.flax import _options
 from optax_sparse_adam.flax._linen import linen_table
-from optax_sparse_adam.flax._nnx import init_table, renormalise
+from optax_sparse_adam.flax._nnx import TableModule
 from optax_sparse_adam.flax._tables import _lookup, default_embed_init
 
 MODES = ("sum", "mean", "max")
@@ -195,7 +195,7 @@ def _segment_argmax_rows(rows: jax.Array, valid: jax.Array, segments: jax.Array,
   return rows.at[first, columns].get(mode="fill", fill_value=0)
 
 
-class SparseEmbedBag(nnx.Module):
+class SparseEmbedBag(TableModule):
   """An NNX `EmbeddingBag` (torch's `nn.EmbeddingBag(sparse=True)`) whose table gets BCOO gradients.
 
   Holds a `SparseTable` named `embedding`, initialised like `SparseEmbed` (the
@@ -245,8 +245,7 @@ class SparseEmbedBag(nnx.Module):
     rngs: nnx.Rngs,
   ):
     _check_mode(mode, "SparseEmbedBag")
-    init_table(
-      self,
+    options = _options.TableOptions.checked(
       "SparseEmbedBag",
       num_embeddings,
       features,
@@ -256,8 +255,8 @@ class SparseEmbedBag(nnx.Module):
       dtype=dtype,
       param_dtype=param_dtype,
       embedding_init=embedding_init,
-      rngs=rngs,
     )
+    super().__init__(options, rngs)
     self.mode = mode
     self.include_last_offset = include_last_offset
 
@@ -265,7 +264,7 @@ class SparseEmbedBag(nnx.Module):
     self, inputs: jax.Array, offsets: jax.Array | None = None, per_sample_weights: Any = None
   ) -> jax.Array:
     """The pooled rows `(B, D)` of `inputs` (1-D with `offsets`, or 2-D)."""
-    renormalise(self, inputs)
+    self._renormalise(inputs)
     pooled = embedding_bag_lookup(
       self.embedding,
       inputs,
@@ -314,7 +313,7 @@ class LinenSparseEmbedBag(nn.Module):
     self, inputs: jax.Array, offsets: jax.Array | None = None, per_sample_weights: Any = None
   ) -> jax.Array:
     _check_mode(self.mode, "LinenSparseEmbedBag")
-    table, padding_idx = linen_table(self, self.num_embeddings, self.features, inputs)
+    table, padding_idx = linen_table(self, inputs)
     pooled = _bag_lookup(
       table,
       inputs,

@@ -140,7 +140,8 @@ def _new_tape(arrays: list, names: list, perturbations: Any, live_or_recorder: A
 
 def _nnx_value_and_grad(fun, argnums, has_aux, wrt, args, kwargs):
   target = args[argnums]
-  graphdef, tables, params, rest = nnx.split(target, nnx.All(SparseTable, wrt), wrt, ...)
+  graphdef, *states = nnx.split(target, nnx.All(SparseTable, wrt), wrt, ...)
+  tables, params, rest = states
   table_leaves, tables_def = jax.tree_util.tree_flatten_with_path(tables, is_leaf=_is_variable)
   names = [path_str(p) for p, _ in table_leaves]
   table_vars = [v for _, v in table_leaves]
@@ -217,7 +218,7 @@ def _tree_value_and_grad(fun, argnums, has_aux, args, kwargs):
         merged.append(box.replace_boxed(view))
       else:
         merged.append(next(dense_iter))
-    call_args = args[:argnums] + (treedef.unflatten(merged),) + args[argnums + 1 :]
+    call_args = args[:argnums] + (jax.tree.unflatten(treedef, merged),) + args[argnums + 1 :]
     with _recording(tape):
       loss, aux = _split_output(fun(*call_args, **kwargs), has_aux)
     _check_loss(loss)
@@ -235,7 +236,7 @@ def _tree_value_and_grad(fun, argnums, has_aux, args, kwargs):
       grads.append(box.replace_boxed(_table_gradient(array, i, c, d)))
     else:
       grads.append(next(dense_iter))
-  return (loss, aux), treedef.unflatten(grads)
+  return (loss, aux), jax.tree.unflatten(treedef, grads)
 
 
 def sparse_value_and_grad(

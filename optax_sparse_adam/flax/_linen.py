@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -52,7 +52,7 @@ class LinenSparseEmbed(nn.Module):
 
   @nn.compact
   def __call__(self, inputs: jax.Array) -> jax.Array:
-    table, padding_idx = linen_table(self, self.num_embeddings, self.features, inputs)
+    table, padding_idx = linen_table(self, inputs)
     rows = _options.embedding_rows(
       lambda ids: _lookup(table, ids, owner=self),
       table,
@@ -63,29 +63,36 @@ class LinenSparseEmbed(nn.Module):
     return rows if self.dtype is None else rows.astype(self.dtype)
 
 
-def linen_table(module: nn.Module, num_embeddings: int, features: int, ids: jax.Array):
+def linen_table(module: nn.Module, ids: jax.Array) -> tuple[jax.Array, int | None]:
   """`(table, padding_idx)` of a Linen embedding module, renormalised for `ids` if it has max_norm.
 
-  `module` has the attributes `padding_idx`, `max_norm`, `norm_type`,
-  `param_dtype` and `embedding_init`; its param is `embedding`, boxed.
+  `module` has the fields of `TableOptions` (`LinenSparseEmbed`, `LinenSparseEmbedBag`); its
+  param is `embedding`, boxed.
   """
   owner = type(module).__name__
-  padding_idx = _options.check_padding_idx(module.padding_idx, num_embeddings, owner)
-  _options.check_max_norm(module.max_norm, module.norm_type, owner)
-
-  def init(key, shape, dtype):
-    table = module.embedding_init(key, shape, dtype)
-    return SparseTableBox(_options.zero_padding_row(table, padding_idx))
-
-  table = module.param("embedding", init, (num_embeddings, features), module.param_dtype)
-  if module.max_norm is not None and not module.is_initializing():
+  options = _options.TableOptions.checked(
+    owner,
+    module.num_embeddings,
+    module.features,
+    padding_idx=module.padding_idx,
+    max_norm=module.max_norm,
+    norm_type=module.norm_type,
+    dtype=module.dtype,
+    param_dtype=module.param_dtype,
+    embedding_init=module.embedding_init,
+  )
+  # `param` returns the value unboxed; flax types it as what the initializer returns (the box).
+  table = cast(
+    jax.Array, module.param("embedding", lambda key: SparseTableBox(options.initial_table(key)))
+  )
+  if options.max_norm is not None and not module.is_initializing():
     if not module.is_mutable_collection("params"):
       raise ValueError(
-        f"{owner}(max_norm={module.max_norm}) at {'/'.join(module.scope.path)}: the lookup "
+        f"{owner}(max_norm={options.max_norm}) at {'/'.join(module.path)}: the lookup "
         "renormalises rows of the table in place, as torch does, so the params must be "
         "writable: call apply(..., mutable=['params']) and keep the params it returns "
         "(their table is the one the gradient belongs to)."
       )
-    table = _options.renormalised_table(table, ids, module.max_norm, module.norm_type)
+    table = _options.renormalised_table(table, ids, options.max_norm, options.norm_type)
     module.put_variable("params", "embedding", SparseTableBox(table))
-  return table, padding_idx
+  return table, options.padding_idx

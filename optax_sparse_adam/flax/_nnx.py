@@ -13,7 +13,30 @@ from optax_sparse_adam.flax import _options
 from optax_sparse_adam.flax._tables import SparseTable, default_embed_init, embedding_lookup
 
 
-class SparseEmbed(nnx.Module):
+class TableModule(nnx.Module):
+  """An NNX module holding a `SparseTable` named `embedding` and torch's table options.
+
+  The base of `SparseEmbed` and `SparseEmbedBag`: it keeps `num_embeddings`,
+  `features`, `padding_idx` (normalised), `max_norm`, `norm_type` and `dtype` as
+  attributes, and the table with its padding row zeroed.
+  """
+
+  def __init__(self, options: _options.TableOptions, rngs: nnx.Rngs) -> None:
+    self.num_embeddings, self.features = options.num_embeddings, options.features
+    self.padding_idx = options.padding_idx
+    self.max_norm, self.norm_type = options.max_norm, options.norm_type
+    self.dtype = options.dtype
+    self.embedding = SparseTable(options.initial_table(rngs.params()))
+
+  def _renormalise(self, ids: jax.Array) -> None:
+    """With `max_norm`, renormalises the rows `ids` names in the table, in place (torch)."""
+    if self.max_norm is not None:
+      self.embedding.set_value(
+        _options.renormalised_table(self.embedding.get_value(), ids, self.max_norm, self.norm_type)
+      )
+
+
+class SparseEmbed(TableModule):
   """An NNX embedding whose table gets BCOO gradients under `sparse_value_and_grad`.
 
   A drop-in for `nnx.Embed` (same initializer, same call), except that ids
@@ -65,8 +88,7 @@ class SparseEmbed(nnx.Module):
     embedding_init: Callable[..., jax.Array] = default_embed_init,
     rngs: nnx.Rngs,
   ):
-    init_table(
-      self,
+    options = _options.TableOptions.checked(
       "SparseEmbed",
       num_embeddings,
       features,
@@ -76,12 +98,12 @@ class SparseEmbed(nnx.Module):
       dtype=dtype,
       param_dtype=param_dtype,
       embedding_init=embedding_init,
-      rngs=rngs,
     )
+    super().__init__(options, rngs)
     self.scale_grad_by_freq = scale_grad_by_freq
 
   def __call__(self, inputs: jax.Array) -> jax.Array:
-    renormalise(self, inputs)
+    self._renormalise(inputs)
     rows = _options.embedding_rows(
       lambda ids: embedding_lookup(self.embedding, ids),
       self.embedding.get_value(),
@@ -90,42 +112,3 @@ class SparseEmbed(nnx.Module):
       scale_grad_by_freq=self.scale_grad_by_freq,
     )
     return rows if self.dtype is None else rows.astype(self.dtype)
-
-
-def init_table(
-  module: nnx.Module,
-  owner: str,
-  num_embeddings: int,
-  features: int,
-  *,
-  padding_idx: int | None,
-  max_norm: float | None,
-  norm_type: float,
-  dtype: Any,
-  param_dtype: Any,
-  embedding_init: Callable[..., jax.Array],
-  rngs: nnx.Rngs,
-) -> None:
-  """Checks the options shared with torch's `nn.Embedding` and sets them and the table on `module`.
-
-  The NNX twin of `_linen.linen_table`: `SparseEmbed` and `SparseEmbedBag` hold
-  `num_embeddings`, `features`, `padding_idx` (normalised), `max_norm`,
-  `norm_type`, `dtype` and the `SparseTable` `embedding` (its padding row zeroed).
-  """
-  module.num_embeddings, module.features = num_embeddings, features
-  module.padding_idx = _options.check_padding_idx(padding_idx, num_embeddings, owner)
-  _options.check_max_norm(max_norm, norm_type, owner)
-  module.max_norm, module.norm_type = max_norm, norm_type
-  module.dtype = dtype
-  table = embedding_init(rngs.params(), (num_embeddings, features), param_dtype)
-  module.embedding = SparseTable(_options.zero_padding_row(table, module.padding_idx))
-
-
-def renormalise(module: nnx.Module, ids: jax.Array) -> None:
-  """With `max_norm`, renormalises the rows `ids` names in `module.embedding`, in place (torch)."""
-  if module.max_norm is not None:
-    module.embedding.set_value(
-      _options.renormalised_table(
-        module.embedding.get_value(), ids, module.max_norm, module.norm_type
-      )
-    )

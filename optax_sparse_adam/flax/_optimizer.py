@@ -11,6 +11,7 @@ from flax import nnx
 from flax.training import train_state
 from jax.experimental import sparse
 
+from optax_sparse_adam._core.errors import flatten_up_to
 from optax_sparse_adam._optax import apply
 from optax_sparse_adam.flax._tables import SparseTable, SparseTableBox, _is_table_box, _is_variable
 
@@ -105,7 +106,15 @@ class SparseOptimizer(nnx.Optimizer):
     # Each state Variable gets its new value whole: `nnx.update` would turn a
     # NamedTuple held by one Variable (a sparse_multi_steps RowBuffer) into a State.
     variables, treedef = jax.tree.flatten(self.opt_state, is_leaf=_is_variable)
-    for variable, value in zip(variables, treedef.flatten_up_to(new_opt_state), strict=True):
+    values = flatten_up_to(
+      treedef,
+      new_opt_state,
+      lambda: (
+        f"SparseOptimizer.update: the transformation returned a state of structure "
+        f"{jax.tree.structure(new_opt_state)}, not that of its state {treedef}."
+      ),
+    )
+    for variable, value in zip(variables, values, strict=True):
       variable.set_value(value)
     self.step[...] += 1
     return updates

@@ -1,4 +1,4 @@
-"""torch's `nn.Embedding` options as pure functions: padding_idx, max_norm, scale_grad_by_freq.
+"""torch's `nn.Embedding` options: one checked value (`TableOptions`) and pure functions.
 
 The modules (`SparseEmbed`, `LinenSparseEmbed`, the bags) compose these with
 `embedding_lookup`, so the BCOO gradients come from the one mechanism in
@@ -6,7 +6,11 @@ The modules (`SparseEmbed`, `LinenSparseEmbed`, the bags) compose these with
 it that the renormalised table is the same table.
 """
 
+from __future__ import annotations
+
+import dataclasses
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -41,6 +45,67 @@ def check_max_norm(max_norm: float | None, norm_type: float, owner: str) -> None
     raise ValueError(
       f"{owner}: norm_type must be a positive number (p of the p-norm), got {norm_type!r}."
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class TableOptions:
+  """The options a table module shares with torch's `nn.Embedding`, checked.
+
+  Built once from a module's public keywords or fields (`checked`) and passed
+  whole between the modules; the table is made from it (`initial_table`).
+
+  Attributes:
+    num_embeddings: number of rows `V`.
+    features: row width `D`.
+    padding_idx: the padding row in `[0, V)`, or None.
+    max_norm: renormalise looked-up rows to at most this norm, or None.
+    norm_type: p of the p-norm for `max_norm`.
+    dtype: dtype of the returned rows; None for the table's.
+    param_dtype: dtype of the table.
+    embedding_init: initializer of the table.
+  """
+
+  num_embeddings: int
+  features: int
+  padding_idx: int | None
+  max_norm: float | None
+  norm_type: float
+  dtype: Any
+  param_dtype: Any
+  embedding_init: Callable[..., jax.Array]
+
+  @classmethod
+  def checked(
+    cls,
+    owner: str,
+    num_embeddings: int,
+    features: int,
+    *,
+    padding_idx: int | None,
+    max_norm: float | None,
+    norm_type: float,
+    dtype: Any,
+    param_dtype: Any,
+    embedding_init: Callable[..., jax.Array],
+  ) -> TableOptions:
+    """The options, `padding_idx` normalised (negative counts from the end); errors name `owner`."""
+    padding_idx = check_padding_idx(padding_idx, num_embeddings, owner)
+    check_max_norm(max_norm, norm_type, owner)
+    return cls(
+      num_embeddings,
+      features,
+      padding_idx,
+      max_norm,
+      norm_type,
+      dtype,
+      param_dtype,
+      embedding_init,
+    )
+
+  def initial_table(self, key: jax.Array) -> jax.Array:
+    """A new table from `embedding_init`, its padding row zeroed (torch's `reset_parameters`)."""
+    table = self.embedding_init(key, (self.num_embeddings, self.features), self.param_dtype)
+    return zero_padding_row(table, self.padding_idx)
 
 
 def zero_padding_row(table: jax.Array, padding_idx: int | None) -> jax.Array:

@@ -20,6 +20,7 @@ holds) or a Linen `SparseTableBox` (what `LinenSparseEmbed` stores in
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -148,7 +149,8 @@ class _Tape:
     self.trace_state = _trace_state()
     if self.recording:
       self.views = [
-        _bwd_probe(lambda i=i: self.dense_use.__setitem__(i, True))(t) for i, t in enumerate(tables)
+        _bwd_probe(functools.partial(self.dense_use.__setitem__, i, True))(t)
+        for i, t in enumerate(tables)
       ]
     else:
       self.views = list(tables)

@@ -107,46 +107,36 @@ def with_step_hooks(step: Callable) -> Callable:
 class HookRegistry:
   """The `register_*_hook` methods of `torch.optim.Optimizer`, over the dicts in `HOOK_DICTS`.
 
-  The optimizer creates the six `OrderedDict`s; each method adds a hook to one.
+  The optimizer creates the six `OrderedDict`s; each method adds a hook to one
+  and returns a `RemovableHandle` whose `remove()` unregisters it. The state-dict
+  methods take `prepend`: run the hook before those already registered instead
+  of after.
   """
 
-  def register_step_pre_hook(self, hook: Callable) -> RemovableHandle:
-    """Registers `hook(optimizer, args, kwargs) -> None | (new_args, new_kwargs)` before step.
+  # hook id -> hook, in the order they run (made by the optimizer's __init__).
+  _optimizer_step_pre_hooks: OrderedDict[int, Callable]
+  _optimizer_step_post_hooks: OrderedDict[int, Callable]
+  _optimizer_state_dict_pre_hooks: OrderedDict[int, Callable]
+  _optimizer_state_dict_post_hooks: OrderedDict[int, Callable]
+  _optimizer_load_state_dict_pre_hooks: OrderedDict[int, Callable]
+  _optimizer_load_state_dict_post_hooks: OrderedDict[int, Callable]
 
-    Returns:
-      A handle whose `remove()` unregisters the hook.
-    """
+  def register_step_pre_hook(self, hook: Callable) -> RemovableHandle:
+    """Registers `hook(optimizer, args, kwargs) -> None | (new_args, new_kwargs)` before step."""
     return register(self._optimizer_step_pre_hooks, hook)
 
   def register_step_post_hook(self, hook: Callable) -> RemovableHandle:
-    """Registers `hook(optimizer, args, kwargs) -> None` after step.
-
-    Returns:
-      A handle whose `remove()` unregisters the hook.
-    """
+    """Registers `hook(optimizer, args, kwargs) -> None` after step."""
     return register(self._optimizer_step_post_hooks, hook)
 
   def register_state_dict_pre_hook(self, hook: Callable, prepend: bool = False) -> RemovableHandle:
-    """Registers `hook(optimizer) -> None`, run when `state_dict()` starts.
-
-    Args:
-      hook: the hook.
-      prepend: run it before the hooks already registered instead of after.
-
-    Returns:
-      A handle whose `remove()` unregisters the hook.
-    """
+    """Registers `hook(optimizer) -> None`, run when `state_dict()` starts."""
     return register(self._optimizer_state_dict_pre_hooks, hook, prepend=prepend)
 
   def register_state_dict_post_hook(self, hook: Callable, prepend: bool = False) -> RemovableHandle:
     """Registers `hook(optimizer, state_dict) -> None | state_dict`, run on the result.
 
-    Args:
-      hook: the hook; it may edit the dict or return a replacement.
-      prepend: run it before the hooks already registered instead of after.
-
-    Returns:
-      A handle whose `remove()` unregisters the hook.
+    The hook may edit the dict or return a replacement.
     """
     return register(self._optimizer_state_dict_post_hooks, hook, prepend=prepend)
 
@@ -155,27 +145,13 @@ class HookRegistry:
   ) -> RemovableHandle:
     """Registers `hook(optimizer, state_dict) -> None | state_dict`, run before loading.
 
-    The hook gets a shallow copy of the dict given to `load_state_dict`.
-
-    Args:
-      hook: the hook; it may edit the dict or return a replacement to load.
-      prepend: run it before the hooks already registered instead of after.
-
-    Returns:
-      A handle whose `remove()` unregisters the hook.
+    The hook gets a shallow copy of the dict given to `load_state_dict`; it may
+    edit it or return a replacement to load.
     """
     return register(self._optimizer_load_state_dict_pre_hooks, hook, prepend=prepend)
 
   def register_load_state_dict_post_hook(
     self, hook: Callable, prepend: bool = False
   ) -> RemovableHandle:
-    """Registers `hook(optimizer) -> None`, run after a successful load.
-
-    Args:
-      hook: the hook.
-      prepend: run it before the hooks already registered instead of after.
-
-    Returns:
-      A handle whose `remove()` unregisters the hook.
-    """
+    """Registers `hook(optimizer) -> None`, run after a successful load."""
     return register(self._optimizer_load_state_dict_post_hooks, hook, prepend=prepend)

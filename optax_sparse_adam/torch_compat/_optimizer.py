@@ -17,7 +17,7 @@ from collections import OrderedDict, defaultdict
 from collections.abc import Iterable
 from copy import deepcopy
 from itertools import chain
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax.numpy as jnp
 from jax.experimental import sparse
@@ -37,16 +37,24 @@ def _typename(x: Any) -> str:
   return cls.__qualname__ if module == "builtins" else f"{module}.{cls.__qualname__}"
 
 
-def _torch_optimizer_bases() -> tuple[type, ...]:
-  """`(torch.optim.Optimizer,)` when torch is installed, else `()`."""
+def _torch_optimizer_base() -> type:
+  """`torch.optim.Optimizer` when torch is installed, else `object`."""
   try:
     from torch.optim import Optimizer as TorchOptimizer
   except ImportError:
-    return ()
-  return (TorchOptimizer,)
+    return object
+  return TorchOptimizer
 
 
-class Optimizer(_hooks.HookRegistry, *_torch_optimizer_bases()):
+if TYPE_CHECKING:
+  # The checker sees the class without torch's base: everything torch's code calls is defined
+  # here, not inherited, and that base exists only where torch is installed.
+  _TorchOptimizer = object
+else:
+  _TorchOptimizer = _torch_optimizer_base()
+
+
+class Optimizer(_hooks.HookRegistry, _TorchOptimizer):
   """Base class with `torch.optim.Optimizer`'s behaviour; see `SparseAdam`.
 
   A `torch.optim.Optimizer` (by inheritance) when torch is installed.
@@ -310,7 +318,7 @@ class Optimizer(_hooks.HookRegistry, *_torch_optimizer_bases()):
           f"parameters saved, {len(group['params'])} in the optimizer)"
         )
 
-    where = {}  # saved id -> (group index, index in group), for messages
+    where: dict[Any, tuple[int, int]] = {}  # saved id -> (group, index in group), for messages
     for gi, saved in enumerate(saved_groups):
       for pi, saved_id in enumerate(saved["params"]):
         where.setdefault(saved_id, (gi, pi))

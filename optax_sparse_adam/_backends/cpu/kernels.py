@@ -216,7 +216,7 @@ def _adam_applies(inputs: StepInputs, plan: StepPlan) -> bool:
 
 def _adam_step(inputs: StepInputs, plan: StepPlan) -> RowsStep:
   assert isinstance(plan.rule, AdamRule)
-  step_size = plan.rule.step_size(inputs.hyper, inputs.step)  # type: ignore[arg-type]
+  step_size = plan.rule.step_size(inputs.hyper, inputs.step)
   return _moment_step(_FUSED_ADAM, inputs, plan, [step_size])
 
 
