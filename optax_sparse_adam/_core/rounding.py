@@ -26,13 +26,15 @@ same bits.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+
+from optax_sparse_adam._core.errors import path_str
 
 MomentRounding = Literal["nearest", "stochastic"]
 ROUNDINGS = ("nearest", "stochastic")
@@ -87,10 +89,23 @@ def check_rounding(rounding: str, name: str = "moment_rounding") -> None:
     raise ValueError(f"{name}={rounding!r}; expected one of {ROUNDINGS}.")
 
 
-def stochastic_supported(dtype: Any) -> bool:
-  """Whether a moment stored in `dtype` can be rounded stochastically: bf16, float32 or wider."""
-  dtype = jnp.dtype(dtype)
-  return dtype == jnp.bfloat16 or jnp.finfo(dtype).bits >= 32
+def check_slot_dtypes(
+  rounding: str, dtypes: Mapping[str, Any], param_dtype: Any, path: Sequence[Any]
+) -> None:
+  """Refuses stochastic rounding to a slot dtype other than bf16 or float32 and wider.
+
+  `dtypes` maps slot names to their dtype setting (None: the parameter's).
+  """
+  if rounding != "stochastic":
+    return
+  for name, dtype in dtypes.items():
+    dtype = jnp.dtype(dtype or param_dtype)
+    if dtype != jnp.bfloat16 and jnp.finfo(dtype).bits < 32:
+      raise ValueError(
+        f"moment_rounding='stochastic' rounds moments to bfloat16 only, but the {name} of "
+        f"the parameter at {path_str(path)} would be {dtype}: set {name}_dtype=jnp.bfloat16 "
+        "(or float32), or moment_rounding='nearest'."
+      )
 
 
 def slot_store(

@@ -73,7 +73,9 @@ def pairwise_row_sum(x: jax.Array) -> jax.Array:
   return x[:, 0]
 
 
-def bias_corrections(hyper: AdamHyperparams, step: jax.Array, compute_dtype: Any) -> tuple:
+def bias_corrections(
+  hyper: AdamHyperparams, step: jax.Array | None, compute_dtype: Any
+) -> tuple[jax.Array, jax.Array]:
   """`(lr / (1 - b1^t), 1 / (1 - b2^t))` for the step count(s) `t`, in `compute_dtype`.
 
   The second is a reciprocal to multiply by: XLA turns a division by a
@@ -81,14 +83,15 @@ def bias_corrections(hyper: AdamHyperparams, step: jax.Array, compute_dtype: Any
   values computed by this very function, multiplies too and gets the same bits.
   """
   if (
-    hyper.step_size is not None
+    step is None
+    or hyper.step_size is not None
     or hyper.learning_rate is None
     or hyper.log_b1 is None
     or hyper.log_b2 is None
   ):
     raise ValueError(
       "the row-wise Adam rule bias-corrects its two moments separately: it needs the "
-      "learning rate and the betas' logs, not a precomputed step size"
+      "step count, the learning rate and the betas' logs, not a precomputed step size"
     )
   t = jnp.asarray(step).astype(compute_dtype)
   bias_correction1 = -jnp.expm1(t * hyper.log_b1)
@@ -163,10 +166,7 @@ class RowwiseAdamRule:
       nu_max_rows = slot_rows["nu_max"]
       second = new_rows["nu_max"] = jnp.maximum(nu_max_rows, nu_new.astype(nu_max_rows.dtype))
 
-    if step is None:
-      raise ValueError("the row-wise Adam rule bias-corrects both moments: it needs a step count")
-    step = jnp.asarray(step)
-    per_row_step = step.reshape(n) if step.ndim else step
+    per_row_step = None if step is None else jnp.reshape(step, (n,) if jnp.ndim(step) else ())
     lr_over_bc1, inv_bc2 = bias_corrections(hyper, per_row_step, compute_dtype)
     denom = jnp.sqrt(second.astype(compute_dtype) * r(inv_bc2)) + c(hyper.eps)
     # The sign goes on the numerator, and every scalar is rounded where it

@@ -65,15 +65,7 @@ def _init_state(params: optax.Params, options: SparseAdamOptions) -> SparseAdamS
   last_steps = []
   for path, param in leaves_with_path:
     bcoo.check_param_dtype(param, path)
-    if options.moment_rounding == "stochastic":
-      for name in ("mu", "nu"):
-        dtype = dtypes[name] or param.dtype
-        if not rounding.stochastic_supported(dtype):
-          raise ValueError(
-            f"moment_rounding='stochastic' rounds moments to bfloat16 only, but the "
-            f"{name} of the parameter at {path_str(path)} would be {jnp.dtype(dtype)}: "
-            f"set {name}_dtype=jnp.bfloat16 (or float32), or moment_rounding='nearest'."
-          )
+    rounding.check_slot_dtypes(options.moment_rounding, dtypes, param.dtype, path)
     tables = rules.init_tables(
       options.rule,
       param,
@@ -310,25 +302,17 @@ def sparse_adam(
       costs one int32 per row of state.
     mu_dtype: dtype of the first moment; default the parameter's.
     nu_dtype: dtype of the second moment; default the parameter's.
-    rowwise_second_moment: keep one second moment per row (FBGEMM's
-      PARTIAL_ROWWISE_ADAM, `RowwiseAdamRule`): :math:`v_r \leftarrow v_r +
-      (1 - \beta_2)(\mathrm{mean}(g_r^2) - v_r)` over the row's values, and
-      :math:`u_r = -\alpha \hat m_r / (\sqrt{\hat v_r} + \epsilon)` with both
-      moments bias-corrected (:math:`\epsilon` outside the corrected root, as in
-      FBGEMM and `optax.adam`). The state's `nu` is then `(num_rows,)`: about
-      half the memory of full Adam. Gradients must index rows by the leading
-      dim only (`n_sparse=1`). Not torch's SparseAdam: off by default.
-    moment_rounding: how moments kept in bfloat16 (`mu_dtype`/`nu_dtype`) are
-      rounded when stored: "nearest" (the default) or "stochastic". Rounded to
-      nearest, an update below half a bf16 ulp (2^-9 of the moment) is lost
-      every step, so a slowly moving moment stalls (`v` stops tracking a
-      shrinking :math:`g^2` once :math:`|g^2 - v| < 2v` at `b2=0.999`).
-      Stochastic rounding rounds up with probability equal to the dropped
-      fraction, unbiased in expectation, with random bits hashed from the
-      parameter's step count, the row and the element: the same bits in every
-      run, continued by a resumed run. "nearest" is the default because it is
-      what a cast does (the results of bf16 moments stay as they were) and
-      costs no hashing; with float32 moments the two are the same.
+    rowwise_second_moment: keep one second moment per row, the mean of the
+      row's :math:`g^2` averaged (FBGEMM's PARTIAL_ROWWISE_ADAM,
+      `RowwiseAdamRule`; both moments bias-corrected, :math:`\epsilon` outside
+      the corrected root). `nu` is then `(num_rows,)`; gradients must have
+      `n_sparse=1`. Not torch's numerics: off by default.
+    moment_rounding: how bf16 moments are stored: "nearest" (a cast; the
+      default, so bf16 results stay as they were) or "stochastic" (unbiased,
+      with bits hashed from the step, row and element: reproducible, and a
+      resumed run continues the stream). To nearest, an update below half a
+      bf16 ulp is lost every step, so slowly moving moments stall. See the
+      Memory page of the docs.
     catch_up_idle_rows: take dense Adam's steps for the rows the gradients skip:
       a row touched after :math:`k` idle steps first has its moments decayed by
       :math:`\beta_1^k, \beta_2^k` and moves by the closed-form discharge of
