@@ -10,7 +10,8 @@ Under a mesh with `Explicit` axes both run in an auto-axes region
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -20,7 +21,7 @@ from jax.experimental import sparse
 from jax.sharding import PartitionSpec
 
 from optax_sparse_adam._backends import dispatch
-from optax_sparse_adam._core import bcoo, sharding
+from optax_sparse_adam._core import bcoo, routed, sharding
 from optax_sparse_adam._core.adam import (
   AdamCoefficients,
   LeafState,
@@ -69,6 +70,27 @@ def sparse_adam_leaf_step(
     update is replicated (it holds the gradient's entries, not the table's).
   """
   static = dict(maximize=maximize, decoupled_weight_decay=decoupled_weight_decay, path=path)
+  reads_param = _weight_decay(coeffs, decoupled_weight_decay) != "none"
+  plan = routed.plan_step(
+    grad, (state.mu, state.nu, state.nu_max, param if reads_param else None), (state.row_step,)
+  )
+  if plan is not None:  # a row-sharded table: each row's gradient goes to its owner
+    rows_step = functools.partial(routed.rows_step, plan=plan, local_rows_step=dispatch.rows_step)
+    update, new_state = _leaf_step(
+      grad,
+      state,
+      param,
+      coeffs=coeffs,
+      step_size=step_size,
+      opaque_zero=opaque_zero,
+      rows_step=rows_step,
+      **static,
+    )
+    # Sorted within each device's block only.
+    update = sparse.BCOO(
+      (update.data, update.indices), shape=update.shape, indices_sorted=False, unique_indices=True
+    )
+    return update, new_state
   if not sharding.explicit_axes():
     return _leaf_step(
       grad, state, param, coeffs=coeffs, step_size=step_size, opaque_zero=opaque_zero, **static
@@ -113,13 +135,11 @@ def _leaf_step(
   step_size: jax.Array | None,
   path: tuple,
   opaque_zero: jax.Array | None,
+  rows_step: Callable[..., Any] = dispatch.rows_step,
 ) -> tuple[sparse.BCOO, LeafState]:
-  """`sparse_adam_leaf_step`, traced in the caller's sharding mode."""
+  """`sparse_adam_leaf_step`, traced in the caller's sharding mode, its rows run by `rows_step`."""
   layout = bcoo.row_layout(grad, state.mu.shape, path)
-  if is_python_number(coeffs.weight_decay) and coeffs.weight_decay == 0:
-    weight_decay = "none"
-  else:
-    weight_decay = "decoupled" if decoupled_weight_decay else "l2"
+  weight_decay = _weight_decay(coeffs, decoupled_weight_decay)
   if weight_decay != "none" and param is None:
     raise ValueError(
       f"Parameter at {path_str(path)} is needed for weight decay: pass params "
@@ -150,12 +170,18 @@ def _leaf_step(
     state.mu, state.nu, state.nu_max, row_step, None if weight_decay == "none" else param
   )
   rows = bcoo.linear_rows(grad.indices, layout)
-  unique_rows, delta, new_tables = dispatch.rows_step(
+  unique_rows, delta, new_tables = rows_step(
     rows, grad.data, tables, layout=layout, options=options
   )
   new_state = LeafState(step, new_tables.mu, new_tables.nu, new_tables.nu_max, new_tables.row_step)
   update = bcoo.rows_to_bcoo(bcoo.CoalescedRows(unique_rows, delta), layout)
   return update, new_state
+
+
+def _weight_decay(coeffs: AdamCoefficients, decoupled: bool) -> str:
+  if is_python_number(coeffs.weight_decay) and coeffs.weight_decay == 0:
+    return "none"
+  return "decoupled" if decoupled else "l2"
 
 
 def scatter_add_bcoo(param: jax.Array, update: sparse.BCOO, path: Sequence[Any] = ()) -> jax.Array:
@@ -165,6 +191,11 @@ def scatter_add_bcoo(param: jax.Array, update: sparse.BCOO, path: Sequence[Any] 
   The result has `param`'s sharding.
   """
   layout = bcoo.row_layout(update, param.shape, path, what="update")
+  plan = routed.plan_apply(param, update)
+  if plan is not None:  # row-split: each device adds the rows it owns
+    return routed.scatter_add(
+      param, update, layout=layout, plan=plan, local_scatter_add=dispatch.scatter_add
+    )
 
   def scatter_add(param, update):
     rows = bcoo.linear_rows(update.indices, layout)

@@ -1,0 +1,379 @@
+"""The routed step and apply of a row-sharded table: each gradient row goes to its row's owner.
+
+Under `jax.jit`, XLA's partitioner runs a row-sharded table's step by sending
+every device every other device's gradient entries (all-reduces of `[N * B, D]`
+arrays for `N` devices and a local batch of `B`), so a device's traffic grows
+with `N`. When a table and its moments are split by rows over a mesh axis,
+`P(axis, None)`, and the gradient's entries over the same axis, the step here
+runs in `jax.shard_map` instead, in time and traffic of O(local entries):
+
+  1. each device coalesces its own entries (sums a row's entries, input order);
+  2. one `all_to_all` sends each distinct row's sum to the device owning the row,
+     into a fixed `capacity` of slots per owner (`routing.capacity`);
+  3. the owner runs the backend's rows step on its shard with what it received
+     (the step coalesces again: the senders' sums of a row add in device order).
+
+The update comes back split over the axis, each device holding its own rows,
+so `apply_updates` adds it locally, with no collective but a flag.
+
+A step where some device has more distinct rows for one owner than the
+capacity (heavily skewed ids) takes the overflow path, decided on every device
+alike: all devices' entries are all-gathered, each owner steps its rows (sums
+in global input order, as one device), and the owners' rows are spread over the
+update's slots (`routing.spread_rows`); `apply_updates` then sees rows on
+devices that do not own them and all-gathers the update. Nothing is dropped;
+such a step costs what the partitioned step costs.
+
+Routing is chosen when the arrays' shardings are known at trace time: concrete
+arrays, and arrays typed on a mesh with `Explicit` axes. Under `Auto` axes a
+traced array's type does not say how XLA will split it; `choose(auto_axis=...)`
+declares the axis. `choose(enabled=False)` turns routing off.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import sparse
+from jax.sharding import NamedSharding, PartitionSpec
+
+from optax_sparse_adam._core import bcoo, routing, sharding
+from optax_sparse_adam._core.adam import RowsStep, StepOptions, TableState
+
+
+class Routing(NamedTuple):
+  """The routing switches in force while a step is traced (part of JAX's cache keys).
+
+  Attributes:
+    enabled: route row-sharded tables' steps and applies where the layout allows.
+    capacity_factor: slots per owner, as a multiple of the even share
+      `local entries / devices` (`routing.capacity`); larger means fewer
+      overflowing steps and more bytes per step.
+    auto_axis: under `Auto` mesh axes, the axis over which traced tables and
+      gradient entries are taken to be split by rows; None routes only what
+      types or concrete shardings show.
+  """
+
+  enabled: bool = True
+  capacity_factor: float = 2.0
+  auto_axis: str | None = None
+
+
+_make_user_context = getattr(jax, "make_user_context", None)
+_CONTEXT = None if _make_user_context is None else _make_user_context(Routing())
+_fallback_stack = [Routing()]
+
+
+def current() -> Routing:
+  """The routing switches in force now."""
+  return _fallback_stack[-1] if _CONTEXT is None else _CONTEXT.value
+
+
+@contextlib.contextmanager
+def choose(**changes: Any) -> Iterator[None]:
+  """Within this block, steps traced use `current()` with `changes` (fields of `Routing`)."""
+  choice = current()._replace(**changes)
+  if not choice.capacity_factor >= 1:
+    raise ValueError(f"capacity_factor={choice.capacity_factor!r}; expected a number >= 1")
+  if _CONTEXT is None:  # pragma: no cover - JAX without user contexts
+    _fallback_stack.append(choice)
+    try:
+      yield
+    finally:
+      _fallback_stack.pop()
+    return
+  with _CONTEXT(choice):
+    yield
+
+
+class Plan(NamedTuple):
+  """How a leaf is routed: the mesh axis, its mesh and size, and the slots per owner."""
+
+  axis: str
+  mesh: Any
+  num_shards: int
+  capacity: int
+
+
+def plan_step(
+  grad: sparse.BCOO, tables: Any, rows_arrays: tuple[jax.Array | None, ...]
+) -> Plan | None:
+  """The `Plan` of a step, or None where the layout does not allow routing.
+
+  Args:
+    grad: the BCOO gradient (entries split over the axis, `n_sparse == 1`).
+    tables: arrays split by rows like the table (moments, the parameter where
+      weight decay reads it); None leaves are skipped.
+    rows_arrays: per-row vectors (`(num_rows,)`, e.g. row steps), or None.
+  """
+  found = _plan(grad, [*jax.tree.leaves(tables), *[a for a in rows_arrays if a is not None]])
+  if found is None:
+    return None
+  axis, mesh, num_shards = found
+  local = grad.nse // num_shards
+  capacity = routing.capacity(local, num_shards, current().capacity_factor)
+  if not routing.int32_fits(grad.shape[0], num_shards * num_shards * capacity):
+    return None
+  return Plan(axis, mesh, num_shards, capacity)
+
+
+def plan_apply(param: jax.Array, update: sparse.BCOO) -> Plan | None:
+  """The `Plan` of `param + update`, or None where it is not routed."""
+  found = _plan(update, [param])
+  return None if found is None else Plan(*found, capacity=0)
+
+
+def rows_step(
+  rows: jax.Array,
+  values: jax.Array,
+  tables: TableState,
+  *,
+  layout: bcoo.RowLayout,
+  options: StepOptions,
+  plan: Plan,
+  local_rows_step: Callable[..., RowsStep],
+) -> RowsStep:
+  """The routed `rows_step`: `local_rows_step` (the backend's) runs on each owner's shard.
+
+  Args:
+    rows, values, tables, layout, options: as for `_backends.dispatch.rows_step`,
+      global arrays split over `plan.axis`.
+    plan: from `plan_step`.
+    local_rows_step: the backend's rows step, called on one shard.
+
+  Returns:
+    The `RowsStep`: `plan.num_shards * plan.capacity` slots per device, each
+    device holding rows it owns (ascending) then padding, except after an
+    overflowing step (see the module docstring); the new tables, split as given.
+  """
+  axis, num_shards, capacity = plan.axis, plan.num_shards, plan.capacity
+  num_rows = layout.num_rows
+  rows_per_shard = num_rows // num_shards
+  local_entries = rows.shape[0] // num_shards
+  slots = num_shards * capacity  # the update's slots per device
+  local_layout = bcoo.RowLayout((rows_per_shard,), layout.dense_shape)
+  leaves, treedef = jax.tree.flatten(options)
+  traced = [i for i, leaf in enumerate(leaves) if isinstance(leaf, jax.Array)]
+  names = [name for name, table in tables._asdict().items() if table is not None]
+
+  kept = [name for name in names if name != "param"]
+
+  def owner_step(local_rows, local_values, carried, param, option_arrays):
+    full = list(leaves)
+    for i, array in zip(traced, option_arrays, strict=True):
+      full[i] = array
+    step = local_rows_step(
+      local_rows,
+      local_values,
+      TableState(**dict(zip(kept, carried, strict=True)), param=param),
+      layout=local_layout,
+      options=jax.tree.unflatten(treedef, full),
+    )
+    return step.unique_rows, step.delta, [getattr(step.tables, name) for name in kept]
+
+  def body(rows, values, carried, param, option_arrays):
+    shard = lax.axis_index(axis)
+    coalesced = bcoo.coalesce_rows(rows, values, num_rows)
+    buckets = routing.bucket_by_owner(
+      coalesced, num_rows=num_rows, num_shards=num_shards, capacity=capacity
+    )
+
+    def routed_input(round_index):
+      got_rows, got_values = routing.exchange(buckets.rows, buckets.values, axis)
+      return routing.to_local(got_rows, shard, rows_per_shard), got_values, jnp.int32(1), 0
+
+    if capacity >= local_entries:  # no device can fill a bucket: no overflow path
+      local, got_values, _, _ = routed_input(0)
+      unique_rows, delta, carried = owner_step(local, got_values, carried, param, option_arrays)
+      ids = routing.owned_ids(unique_rows, shard, rows_per_shard)
+      return routing.decode_rows(ids, shard, num_rows), delta, carried
+
+    def gathered_input(round_index):
+      # All entries of the owner's rows, summed in global input order (as one
+      # device sums them), stepped `slots` distinct rows per round.
+      all_rows, all_values = routing.gather_all(rows, values, axis)
+      local = routing.to_local(all_rows, shard, rows_per_shard)
+      owned = bcoo.coalesce_rows(local, all_values, rows_per_shard)
+      count = jnp.sum(owned.rows < rows_per_shard, dtype=jnp.int32)
+      rounds = lax.pmax(-(-count // slots), axis)
+      counts = lax.all_gather(count, axis)
+      first_slot = jnp.sum(jnp.where(jnp.arange(num_shards) < shard, counts, 0))
+      chunk_rows = routing.chunk(owned.rows, round_index, slots, rows_per_shard)
+      chunk_values = routing.chunk(owned.values, round_index, slots, 0)
+      return jnp.minimum(chunk_rows, rows_per_shard), chunk_values, rounds, first_slot
+
+    # Every device takes the same branches: the collectives inside must match.
+    overflow = lax.pmax(buckets.overflow.astype(jnp.int32), axis) > 0
+
+    def one_round(loop):
+      round_index, _, carried, ids, delta = loop
+      local, got_values, rounds, first_slot = lax.cond(
+        overflow, gathered_input, routed_input, round_index
+      )
+      unique_rows, round_delta, carried = owner_step(
+        local, got_values, carried, param, option_arrays
+      )
+
+      def spread(_):
+        owned = unique_rows < rows_per_shard
+        global_rows = jnp.where(owned, unique_rows + shard * rows_per_shard, num_rows)
+        return routing.spread_rows(
+          global_rows,
+          round_delta,
+          first_slot + round_index * slots,
+          axis=axis,
+          slots=slots,
+          num_rows=num_rows,
+        )
+
+      def own(_):
+        return routing.owned_ids(unique_rows, shard, rows_per_shard), round_delta
+
+      round_ids, round_delta = lax.cond(overflow, spread, own, None)
+      landed = round_ids > 0
+      ids = jnp.where(landed, round_ids, ids)
+      delta = jnp.where(routing.expand(landed, delta.ndim), round_delta, delta)
+      return round_index + 1, rounds, carried, ids, delta
+
+    # The tables travel in a loop, not through a cond: XLA updates a loop's
+    # carry in place, but copies a table that a cond's branch reads and writes.
+    delta = jnp.zeros((slots,) + values.shape[1:], values.dtype)
+    loop = (jnp.int32(0), jnp.int32(1), carried, jnp.zeros((slots,), jnp.int32), delta)
+    _, _, carried, ids, delta = lax.while_loop(lambda loop: loop[0] < loop[1], one_round, loop)
+    return routing.decode_rows(ids, shard, num_rows), delta, carried
+
+  table_specs = {name: _row_spec(axis, getattr(tables, name).ndim) for name in names}
+  new_rows, delta, new_tables = jax.shard_map(
+    body,
+    mesh=plan.mesh,
+    in_specs=(
+      PartitionSpec(axis),
+      _row_spec(axis, values.ndim),
+      [table_specs[name] for name in kept],
+      table_specs.get("param"),
+      [PartitionSpec()] * len(traced),
+    ),
+    out_specs=(
+      PartitionSpec(axis),
+      _row_spec(axis, values.ndim),
+      [table_specs[name] for name in kept],
+    ),
+    check_vma=False,
+  )(
+    rows,
+    values,
+    [getattr(tables, name) for name in kept],
+    tables.param,
+    [leaves[i] for i in traced],
+  )
+  return RowsStep(new_rows, delta, TableState(**dict(zip(kept, new_tables, strict=True))))
+
+
+def scatter_add(
+  param: jax.Array,
+  update: sparse.BCOO,
+  *,
+  layout: bcoo.RowLayout,
+  plan: Plan,
+  local_scatter_add: Callable[..., jax.Array],
+) -> jax.Array:
+  """`param + update` on each owner's shard, for a row-split `param` and update.
+
+  A device adds the entries it holds that it owns. Entries held by a device that
+  does not own their row (any update but the routed step's, or one after an
+  overflowing step) make every device all-gather the update first, so each
+  entry is added once, by its owner.
+  """
+  axis, num_shards = plan.axis, plan.num_shards
+  num_rows = layout.num_rows
+  rows_per_shard = num_rows // num_shards
+  local_layout = bcoo.RowLayout((rows_per_shard,), layout.dense_shape)
+  unique = bool(update.unique_indices)
+
+  def add(param, rows, values):
+    # Distinct padding keeps the promise of unique rows.
+    padded = jnp.where(
+      rows < rows_per_shard, rows, rows_per_shard + jnp.arange(rows.shape[0], dtype=jnp.int32)
+    )
+    return local_scatter_add(
+      param, padded, values, layout=local_layout, unique_rows=unique, sorted_rows=False
+    )
+
+  def body(param, rows, values):
+    shard = lax.axis_index(axis)
+    local = routing.to_local(rows, shard, rows_per_shard)
+    foreign = jnp.any((rows < num_rows) & (local == rows_per_shard))
+    foreign = lax.pmax(foreign.astype(jnp.int32), axis) > 0
+
+    def gathered(param):
+      all_rows, all_values = routing.gather_all(rows, values, axis)
+      return add(param, routing.to_local(all_rows, shard, rows_per_shard), all_values)
+
+    return lax.cond(foreign, gathered, lambda p: add(p, local, values), param)
+
+  rows = bcoo.linear_rows(update.indices, layout)
+  table_spec = _row_spec(axis, param.ndim)
+  return jax.shard_map(
+    body,
+    mesh=plan.mesh,
+    in_specs=(table_spec, PartitionSpec(axis), _row_spec(axis, update.data.ndim)),
+    out_specs=table_spec,
+    check_vma=False,
+  )(param, rows, update.data)
+
+
+def _row_spec(axis: str, ndim: int) -> PartitionSpec:
+  return PartitionSpec(axis, *([None] * (ndim - 1)))
+
+
+def _plan(entries: sparse.BCOO, tables: list[jax.Array]) -> tuple[str, Any, int] | None:
+  """`(axis, mesh, size)` when `entries` and every table are split by rows over one axis."""
+  choice = current()
+  if not choice.enabled or entries.n_sparse != 1 or entries.n_batch != 0 or entries.nse == 0:
+    return None
+  found = {_split_rows(x, choice.auto_axis) for x in (entries.data, entries.indices, *tables)}
+  if len(found) != 1 or None in found:
+    return None
+  ((axis, mesh),) = found
+  num_shards = mesh.shape[axis]
+  if num_shards < 2 or entries.shape[0] % num_shards or entries.nse % num_shards:
+    return None
+  return axis, mesh, num_shards
+
+
+def _split_rows(x: Any, auto_axis: str | None) -> tuple[str, Any] | None:
+  """`(axis, mesh)` when `x` is known to be split on dim 0 over `axis` alone, else None.
+
+  Known from a concrete array's `NamedSharding`, from the type of a value traced
+  under `Explicit` axes, or, under `Auto` axes, from `auto_axis` (when `x`'s
+  mesh has that axis).
+  """
+  if x.ndim == 0:
+    return None
+  if isinstance(x, jax.core.Tracer):
+    typed = getattr(jax.typeof(x), "sharding", None)
+    mesh = getattr(typed, "mesh", None)
+    if mesh is None or mesh.empty:
+      return None
+    if not getattr(mesh, "explicit_axes", ()):
+      if auto_axis is None or auto_axis not in mesh.axis_names:
+        return None
+      return auto_axis, mesh
+    spec = sharding.spec_of(x)
+  else:
+    named = getattr(x, "sharding", None)
+    if not isinstance(named, NamedSharding):
+      return None
+    mesh, spec = named.mesh, named.spec
+  entries = tuple(spec) + (None,) * (x.ndim - len(spec))
+  first = entries[0]
+  if isinstance(first, tuple):
+    first = first[0] if len(first) == 1 else None
+  if not isinstance(first, str) or any(e is not None for e in entries[1:]):
+    return None
+  return first, mesh
