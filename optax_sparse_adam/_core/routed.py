@@ -45,6 +45,10 @@ from jax.sharding import NamedSharding, PartitionSpec
 from optax_sparse_adam._core import bcoo, routing, sharding
 from optax_sparse_adam._core.adam import RowsStep, StepOptions, TableState
 
+# Names the overflow path's ops in the compiled program (benchmarks and tests
+# tell its collectives from those of the routed path by it).
+OVERFLOW_SCOPE = "routed_overflow"
+
 
 class Routing(NamedTuple):
   """The routing switches in force while a step is traced (part of JAX's cache keys).
@@ -193,6 +197,7 @@ def rows_step(
       ids = routing.owned_ids(unique_rows, shard, rows_per_shard)
       return routing.decode_rows(ids, shard, num_rows), delta, carried
 
+    @jax.named_scope(OVERFLOW_SCOPE)
     def gathered_input(round_index):
       # All entries of the owner's rows, summed in global input order (as one
       # device sums them), stepped `slots` distinct rows per round.
@@ -219,6 +224,7 @@ def rows_step(
         local, got_values, carried, param, option_arrays
       )
 
+      @jax.named_scope(OVERFLOW_SCOPE)
       def spread(_):
         owned = unique_rows < rows_per_shard
         global_rows = jnp.where(owned, unique_rows + shard * rows_per_shard, num_rows)
@@ -310,6 +316,7 @@ def scatter_add(
     foreign = jnp.any((rows < num_rows) & (local == rows_per_shard))
     foreign = lax.pmax(foreign.astype(jnp.int32), axis) > 0
 
+    @jax.named_scope(OVERFLOW_SCOPE)
     def gathered(param):
       all_rows, all_values = routing.gather_all(rows, values, axis)
       return add(param, routing.to_local(all_rows, shard, rows_per_shard), all_values)

@@ -1,0 +1,146 @@
+"""The routed step of row-sharded tables on 8 forced CPU devices: one device's numbers, O(B) bytes.
+
+The runs happen in a subprocess (tests/core/_routed_checks.py), as in
+tests/core/test_sharding.py; this process keeps its single device.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from optax_sparse_adam._core import routed, routing
+
+ROOT = Path(__file__).resolve().parents[2]
+# Float32: a row's entries on several devices are summed per device first, then
+# the devices' sums in device order, where one device adds them one by one.
+F32_ATOL = 1e-6
+# bfloat16 values and moments: that reassociation moves a result by a few ulps.
+BF16_RELATIVE = 2.0**-5
+
+
+@pytest.fixture(scope="module")
+def checks():
+  done = subprocess.run(
+    [sys.executable, str(ROOT / "tests" / "core" / "_routed_checks.py")],
+    capture_output=True,
+    text=True,
+    env=dict(os.environ, PYTHONPATH=str(ROOT)),
+    timeout=600,
+    check=False,
+  )
+  assert done.returncode == 0, done.stderr[-4000:]
+  return json.loads(done.stdout)
+
+
+ROUTED_RUNS = [
+  f"explicit/plain/{kind}/cf2"
+  for kind in (
+    "uniform",
+    "zipf",
+    "one_owner",
+    "spread_to_all",
+    "cross_device_duplicates",
+    "empty_local_batches",
+    "out_of_range",
+  )
+]
+ROUTED_RUNS += [f"explicit/plain/{kind}/cf1" for kind in ("one_owner", "zipf", "spread_to_all")]
+ROUTED_RUNS += ["auto/plain/uniform/cf2", "auto/plain/one_owner/cf2"]
+ROUTED_RUNS += [
+  f"explicit/{name}/cross_device_duplicates/cf2"
+  for name in (
+    "amsgrad",
+    "l2_weight_decay",
+    "adamw",
+    "per_row_bias_correction",
+    "maximize",
+    "all_options",
+    "bf16",
+  )
+]
+ROUTED_RUNS += ["explicit/all_options/one_owner/cf2", "auto/all_options/zipf/cf1"]
+ROUTED_RUNS += ["two_axes/batch_over_x"]
+
+
+def test_every_run_is_reported(checks):
+  assert sorted(checks["runs"]) == sorted([*ROUTED_RUNS, "two_axes/batch_over_y"])
+
+
+@pytest.mark.parametrize("run", [*ROUTED_RUNS, "two_axes/batch_over_y"])
+def test_routed_training_matches_one_device(checks, run):
+  result = checks["runs"][run]
+  for name, (diff, relative) in result["max_abs_diff"].items():
+    if "/bf16/" in run:
+      assert relative <= BF16_RELATIVE, (name, diff, relative)
+    else:
+      assert diff <= F32_ATOL, (name, diff)
+  assert result["compilations"] == 1
+
+
+@pytest.mark.parametrize(
+  "run", ["explicit/plain/one_owner/cf2", "explicit/all_options/one_owner/cf2"]
+)
+def test_an_overflowing_step_sums_in_one_devices_order(checks, run):
+  """All ids of all devices on one owner overflow every bucket: the overflow path
+  sums each row's entries in global input order and matches one device bit for bit."""
+  for name, (diff, _) in checks["runs"][run]["max_abs_diff"].items():
+    assert diff == 0.0, name
+
+
+@pytest.mark.parametrize("run", ROUTED_RUNS)
+def test_state_keeps_the_tables_row_sharding(checks, run):
+  specs = checks["runs"][run]["specs"]
+  for name in ("table", "mu", "nu", "nu_max"):
+    if name in specs:
+      assert specs[name] == "P('x', None)", name
+  if "row_step" in specs:
+    assert specs["row_step"] == "P('x',)"
+
+
+@pytest.mark.parametrize("run", ROUTED_RUNS)
+def test_routed_path_sends_one_all_to_all_of_the_buckets(checks, run):
+  """Outside the overflow path: one all-to-all of `capacity` slots per owner, each slot
+  a row's id and values, and scalar flags; nothing of the global batch's size."""
+  local, dim = checks["local"], checks["dim"]
+  num_shards = 4 if run.startswith("two_axes") else 8
+  factor = 1.0 if run.endswith("cf1") else 2.0
+  local = local * 8 // num_shards if run.startswith("two_axes") else local
+  slots = num_shards * routing.capacity(local, num_shards, factor)
+  words = 2 if "/bf16/" in run else 1  # an int32 id in bfloat16 words
+  routed_path = [
+    (op, size) for op, size, overflow in checks["runs"][run]["collectives"] if not overflow
+  ]
+  assert [size for op, size in routed_path if op == "all-to-all"] == [slots * (dim + words)]
+  assert all(size == 1 for op, size in routed_path if op != "all-to-all"), routed_path
+
+
+def test_a_batch_split_over_another_axis_is_left_to_xla(checks):
+  collectives = checks["runs"]["two_axes/batch_over_y"]["collectives"]
+  assert "all-to-all" not in [op for op, _, _ in collectives]
+
+
+def test_apply_of_rows_held_by_other_devices_adds_each_once(checks):
+  result = checks["apply_foreign"]
+  assert result["max_abs_diff"] == 0.0
+  assert result["spec"] == "P('x', None)"
+  ops = {op for op, _, _ in result["collectives"]}
+  assert "all-gather" in ops  # the update's entries went to their owners
+
+
+@pytest.mark.parametrize(
+  ("local", "shards", "factor", "expected"),
+  [(2048, 8, 2.0, 512), (2048, 2, 2.0, 2048), (10, 8, 1.0, 2), (7, 8, 2.0, 2), (1, 8, 2.0, 1)],
+)
+def test_capacity_is_a_multiple_of_the_even_share_at_most_the_local_entries(
+  local, shards, factor, expected
+):
+  assert routing.capacity(local, shards, factor) == expected
+
+
+def test_a_capacity_factor_below_one_is_refused():
+  with pytest.raises(ValueError, match="capacity_factor"), routed.choose(capacity_factor=0.5):
+    pass
