@@ -26,6 +26,7 @@ from optax_sparse_adam._core.leaf import sparse_adam_leaf_step as sparse_adam_le
 from optax_sparse_adam._core.multi_steps import RowBuffer as RowBuffer
 from optax_sparse_adam._core.multi_steps import SparseMultiStepsState as SparseMultiStepsState
 from optax_sparse_adam._core.multi_steps import sparse_multi_steps as sparse_multi_steps
+from optax_sparse_adam._core.routed import sharded_routing as sharded_routing
 from optax_sparse_adam._core.transform import SparseAdamState as SparseAdamState
 from optax_sparse_adam._core.transform import sparse_adam as sparse_adam
 from optax_sparse_adam._core.transform import sparse_adamw as sparse_adamw
@@ -44,6 +45,7 @@ __all__ = (
   "coalesce_rows",
   "cpu_kernels_available",
   "lift_to_bcoo",
+  "sharded_routing",
   "sparse_adam",
   "sparse_adam_leaf_step",
   "sparse_adamw",

@@ -68,6 +68,8 @@ def sparse_adam_leaf_step(
     the moments change; the step advances also when the gradient is empty. The
     new state has the sharding of `state`; under a mesh with `Explicit` axes the
     update is replicated (it holds the gradient's entries, not the table's).
+    A routed step (a row-sharded table, `sharded_routing`) returns the update
+    split over the table's axis, each device's rows sorted, padding between.
   """
   static = dict(maximize=maximize, decoupled_weight_decay=decoupled_weight_decay, path=path)
   reads_param = _weight_decay(coeffs, decoupled_weight_decay) != "none"

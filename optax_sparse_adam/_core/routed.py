@@ -26,8 +26,9 @@ such a step costs what the partitioned step costs.
 
 Routing is chosen when the arrays' shardings are known at trace time: concrete
 arrays, and arrays typed on a mesh with `Explicit` axes. Under `Auto` axes a
-traced array's type does not say how XLA will split it; `choose(auto_axis=...)`
-declares the axis. `choose(enabled=False)` turns routing off.
+traced array's type does not say how XLA will split it;
+`sharded_routing(auto_axis=...)` declares the axis, and
+`sharded_routing(False)` turns routing off.
 """
 
 from __future__ import annotations
@@ -93,6 +94,51 @@ def choose(**changes: Any) -> Iterator[None]:
     return
   with _CONTEXT(choice):
     yield
+
+
+def sharded_routing(
+  enabled: bool = True, *, capacity_factor: float = 2.0, auto_axis: str | None = None
+) -> contextlib.AbstractContextManager[None]:
+  """Within this block, steps traced route (or not) the gradients of row-sharded tables.
+
+  A table split by rows over a mesh axis, `P(axis, None)`, with its moments
+  (as `init` makes them), and a BCOO gradient whose entries are split over the
+  same axis (ids sharded `P(axis)`, as a data-parallel batch) are stepped
+  *routed* by default: each device sums its own entries per row, one
+  `all_to_all` sends each row's sum to the device that owns the row, and the
+  owner steps its rows; `apply_updates` then adds each device's rows locally.
+  A device sends and receives `capacity_factor` times its local entries, and
+  computes on as many rows, whatever the number of devices (docs/sharding.md).
+
+  Routing is chosen at trace time from what is known there: the sharding of
+  concrete arrays, and the types of values traced under a mesh with
+  `Explicit` axes. Under `Auto` axes a traced value's type does not say how it
+  is split, so name the axis with `auto_axis`: tables and entries on a mesh
+  with that axis are then taken to be split by rows over it (a table split
+  otherwise is resharded, at the cost of moving it).
+
+  A step in which some device holds more distinct rows for one owner than its
+  capacity (`capacity_factor` times its even share) is not dropped: it
+  all-gathers every device's entries and matches one device bit for bit, at
+  the cost of the unrouted step. The setting is part of the key of JAX's trace
+  and compilation caches.
+
+  Args:
+    enabled: route where the layout allows; False leaves every step to XLA's
+      partitioner, as without this feature.
+    capacity_factor: slots per owner as a multiple of the even share of a
+      device's entries, at least 1. Larger: fewer overflowing steps, more bytes.
+    auto_axis: the mesh axis of row-split tables under `Auto` axes, or None.
+
+  Returns:
+    A context manager.
+
+  Example:
+    >>> import optax_sparse_adam as osa
+    >>> with osa.sharded_routing(capacity_factor=4.0):
+    ...   pass  # steps traced here route with 4x the even share per owner
+  """
+  return choose(enabled=enabled, capacity_factor=capacity_factor, auto_axis=auto_axis)
 
 
 class Plan(NamedTuple):

@@ -191,12 +191,13 @@ def _scale_by_sparse_adam(
       )
       # The update carries the gradient's BCOO metadata, so updates keep the
       # gradients' tree structure: lax.cond wrappers such as optax.apply_if_finite
-      # need both branches to match. The indices are sorted and unique regardless.
+      # need both branches to match. The indices are unique regardless, and sorted
+      # but where a routed step leaves each device its own rows.
       new_updates.append(
         sparse.BCOO(
           (update.data, update.indices),
           shape=update.shape,
-          indices_sorted=grad.indices_sorted,
+          indices_sorted=grad.indices_sorted and update.indices_sorted,
           unique_indices=grad.unique_indices,
         )
       )

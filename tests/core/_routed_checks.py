@@ -193,7 +193,7 @@ def main():
     auto_axis = "x" if mode == "auto" else None
     with (
       jax.set_mesh(mesh) if mode == "explicit" else contextlib.nullcontext(),
-      routed.choose(capacity_factor=capacity_factor, auto_axis=auto_axis),
+      osa.sharded_routing(capacity_factor=capacity_factor, auto_axis=auto_axis),
     ):
       run = train(opt_name, kind, mesh=mesh)
     run["max_abs_diff"] = compare(run, references[opt_name, kind])

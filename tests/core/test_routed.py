@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from optax_sparse_adam._core import routed, routing
+import optax_sparse_adam as osa
+from optax_sparse_adam._core import routing
 
 ROOT = Path(__file__).resolve().parents[2]
 # Float32: a row's entries on several devices are summed per device first, then
@@ -142,5 +143,5 @@ def test_capacity_is_a_multiple_of_the_even_share_at_most_the_local_entries(
 
 
 def test_a_capacity_factor_below_one_is_refused():
-  with pytest.raises(ValueError, match="capacity_factor"), routed.choose(capacity_factor=0.5):
+  with pytest.raises(ValueError, match="capacity_factor"), osa.sharded_routing(capacity_factor=0.5):
     pass
