@@ -75,6 +75,8 @@ OPTIMIZERS = {
     1e-2, weight_decay=0.1, amsgrad=True, per_row_bias_correction=True, maximize=True
   ),
   "bf16": lambda: osa.sparse_adam(1e-2),
+  # A lax.cond whose rejecting branch must build the routed update's type.
+  "apply_if_finite": lambda: osa.sparse_apply_if_finite(osa.sparse_adam(1e-2), 3),
 }
 
 
@@ -122,6 +124,7 @@ def train(opt_name, kind, *, mesh=None, batch_axis="x", seed=0):
     table, state = jitted(table, state, put_ids(ids), put_rows(jnp.asarray(rows, dtype)))
   ids, rows = batches[0]
   hlo = jitted.lower(table, state, put_ids(ids), put_rows(jnp.asarray(rows, dtype)))
+  state = getattr(state, "inner_state", state)
   arrays = {"table": table, "mu": state.mu["table"], "nu": state.nu["table"]}
   if state.nu_max is not None:
     arrays["nu_max"] = state.nu_max["table"]

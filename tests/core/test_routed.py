@@ -61,6 +61,7 @@ ROUTED_RUNS += [
     "maximize",
     "all_options",
     "bf16",
+    "apply_if_finite",
   )
 ]
 ROUTED_RUNS += ["explicit/all_options/one_owner/cf2", "auto/all_options/zipf/cf1"]
