@@ -26,7 +26,8 @@ P('x', None); the step left to XLA's partitioner and the routed step
 (`osa.sharded_routing`) side by side: collective bytes per device (from the
 compiled HLO; the routed step's overflow path counted apart), scratch memory per
 device and step time, for the optimizer step (`update` + `apply_updates`) and
-for the whole train step (`table[ids]` lookup, gradient, update, apply).
+for the whole train step (lookup, gradient, update, apply; the lookup is
+`osa.sharded_lookup`, which is `table[ids]` where routing is off).
 
   python -m benchmarks.bench_sharded --weak-scaling     # a few minutes
 """
@@ -162,6 +163,18 @@ def optimizer_step(optimizer):
   return step
 
 
+def routed_train_step(optimizer):
+  """`sparse_step` with the lookup `osa.sharded_lookup` (routed where the step is)."""
+
+  def step(table, state, ids, targets):
+    grad_rows = jax.grad(loss_of_rows)(osa.sharded_lookup(table, ids), targets)
+    grad = sparse.BCOO((grad_rows, ids[:, None]), shape=table.shape)
+    updates, state = optimizer.update({"table": grad}, state)
+    return osa.apply_updates({"table": table}, updates)["table"], state
+
+  return step
+
+
 def weak_scaling_worker(args):
   """One N: measures the partitioned and the routed step; prints one JSON line."""
   from optax_sparse_adam._core import routed, routing
@@ -187,7 +200,8 @@ def weak_scaling_worker(args):
   optimizer = osa.sparse_adam(1e-3)
   steps = {
     "optimizer step": (optimizer_step(optimizer), (ids, grad_rows)),
-    "train step": (sparse_step(optimizer), (ids, targets)),
+    # The lookup: XLA's table[ids] when left to XLA, osa.sharded_lookup when routed.
+    "train step": (routed_train_step(optimizer), (ids, targets)),
   }
   results = []
   for what, (step, inputs) in steps.items():

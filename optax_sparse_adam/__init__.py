@@ -23,6 +23,7 @@ from optax_sparse_adam._core.checks import sparse_grad_checks as sparse_grad_che
 from optax_sparse_adam._core.composition import lift_to_bcoo as lift_to_bcoo
 from optax_sparse_adam._core.composition import sparse_apply_if_finite as sparse_apply_if_finite
 from optax_sparse_adam._core.leaf import sparse_adam_leaf_step as sparse_adam_leaf_step
+from optax_sparse_adam._core.lookup import sharded_lookup as sharded_lookup
 from optax_sparse_adam._core.multi_steps import RowBuffer as RowBuffer
 from optax_sparse_adam._core.multi_steps import SparseMultiStepsState as SparseMultiStepsState
 from optax_sparse_adam._core.multi_steps import sparse_multi_steps as sparse_multi_steps
@@ -45,6 +46,7 @@ __all__ = (
   "coalesce_rows",
   "cpu_kernels_available",
   "lift_to_bcoo",
+  "sharded_lookup",
   "sharded_routing",
   "sparse_adam",
   "sparse_adam_leaf_step",

@@ -389,7 +389,7 @@ def _plan(entries: sparse.BCOO, tables: list[jax.Array]) -> tuple[str, Any, int]
   choice = current()
   if not choice.enabled or entries.n_sparse != 1 or entries.n_batch != 0 or entries.nse == 0:
     return None
-  found = {_split_rows(x, choice.auto_axis) for x in (entries.data, entries.indices, *tables)}
+  found = {split_rows(x, choice.auto_axis) for x in (entries.data, entries.indices, *tables)}
   if len(found) != 1 or None in found:
     return None
   ((axis, mesh),) = found
@@ -399,7 +399,7 @@ def _plan(entries: sparse.BCOO, tables: list[jax.Array]) -> tuple[str, Any, int]
   return axis, mesh, num_shards
 
 
-def _split_rows(x: Any, auto_axis: str | None) -> tuple[str, Any] | None:
+def split_rows(x: Any, auto_axis: str | None) -> tuple[str, Any] | None:
   """`(axis, mesh)` when `x` is known to be split on dim 0 over `axis` alone, else None.
 
   Known from a concrete array's `NamedSharding`, from the type of a value traced

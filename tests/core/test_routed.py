@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import optax_sparse_adam as osa
@@ -146,3 +148,46 @@ def test_capacity_is_a_multiple_of_the_even_share_at_most_the_local_entries(
 def test_a_capacity_factor_below_one_is_refused():
   with pytest.raises(ValueError, match="capacity_factor"), osa.sharded_routing(capacity_factor=0.5):
     pass
+
+
+LOOKUPS = [
+  f"{mode}/{kind}"
+  for mode in ("explicit", "auto")
+  for kind in ("uniform", "one_owner", "out_of_range_and_negative")
+]
+
+
+@pytest.mark.parametrize("run", LOOKUPS)
+def test_sharded_lookup_is_table_of_ids(checks, run):
+  result = checks["lookups"][run]
+  assert result["max_abs_diff"] == 0.0
+  assert result["spec"] == "P('x', None)"
+
+
+@pytest.mark.parametrize("run", LOOKUPS)
+def test_sharded_lookup_sends_ids_out_and_rows_back(checks, run):
+  """Outside the overflow path: an all-to-all of the capacity's ids, one of their rows,
+  and a scalar flag."""
+  slots = 8 * routing.capacity(checks["local"], 8, 2.0)
+  routed_path = [
+    (op, size) for op, size, overflow in checks["lookups"][run]["collectives"] if not overflow
+  ]
+  assert sorted(routed_path) == sorted(
+    [("all-to-all", slots), ("all-to-all", slots * checks["dim"]), ("all-reduce", 1)]
+  )
+
+
+def test_sharded_lookup_on_one_device_is_table_of_ids():
+  table = np.arange(12.0, dtype=np.float32).reshape(6, 2)
+  ids = np.array([5, 0, -1, 7, -9], np.int32)
+  np.testing.assert_array_equal(
+    osa.sharded_lookup(jnp.asarray(table), jnp.asarray(ids)), jnp.asarray(table)[ids]
+  )
+
+
+def test_sharded_lookup_refuses_ids_that_are_not_1d_integers():
+  table = jnp.zeros((4, 2))
+  with pytest.raises(ValueError, match="ids of shape"):
+    osa.sharded_lookup(table, jnp.zeros((2, 2), jnp.int32))
+  with pytest.raises(ValueError, match="dtype float32"):
+    osa.sharded_lookup(table, jnp.zeros((2,), jnp.float32))
