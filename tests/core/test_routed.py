@@ -70,11 +70,15 @@ ROUTED_RUNS += ["explicit/all_options/one_owner/cf2", "auto/all_options/zipf/cf1
 ROUTED_RUNS += ["two_axes/batch_over_x"]
 
 
+UNROUTED_RUNS = ["two_axes/batch_over_y", "auto/replicated_batch_of_250"]
+
+
 def test_every_run_is_reported(checks):
-  assert sorted(checks["runs"]) == sorted([*ROUTED_RUNS, "two_axes/batch_over_y"])
+  expected = [*ROUTED_RUNS, *UNROUTED_RUNS, "auto/replicated_batch_of_256"]
+  assert sorted(checks["runs"]) == sorted(expected)
 
 
-@pytest.mark.parametrize("run", [*ROUTED_RUNS, "two_axes/batch_over_y"])
+@pytest.mark.parametrize("run", [*ROUTED_RUNS, *UNROUTED_RUNS, "auto/replicated_batch_of_256"])
 def test_routed_training_matches_one_device(checks, run):
   result = checks["runs"][run]
   for name, (diff, relative) in result["max_abs_diff"].items():
@@ -122,9 +126,17 @@ def test_routed_path_sends_one_all_to_all_of_the_buckets(checks, run):
   assert all(size == 1 for op, size in routed_path if op != "all-to-all"), routed_path
 
 
-def test_a_batch_split_over_another_axis_is_left_to_xla(checks):
-  collectives = checks["runs"]["two_axes/batch_over_y"]["collectives"]
+@pytest.mark.parametrize("run", UNROUTED_RUNS)
+def test_a_batch_split_otherwise_or_not_divisible_is_left_to_xla(checks, run):
+  """A batch over another axis than the table's rows, or one whose size is not a
+  multiple of the axis size: the step XLA partitions, with one device's numbers."""
+  collectives = checks["runs"][run]["collectives"]
   assert "all-to-all" not in [op for op, _, _ in collectives]
+
+
+def test_a_replicated_batch_under_auto_axis_is_split_and_routed(checks):
+  collectives = checks["runs"]["auto/replicated_batch_of_256"]["collectives"]
+  assert "all-to-all" in [op for op, _, _ in collectives]
 
 
 def test_apply_of_rows_held_by_other_devices_adds_each_once(checks):
