@@ -207,6 +207,71 @@ def lookups():
   return results
 
 
+def flax_nnx():
+  """A Flax NNX model's table, row-sharded, trained with `SparseOptimizer` (Auto axes and
+  `auto_axis`), against one device; None without flax."""
+  try:
+    import optax
+    from flax import nnx
+  except ImportError:
+    return None
+
+  class Model(nnx.Module):
+    def __init__(self, rngs):
+      self.users = osa.SparseEmbed(NUM_ROWS, DIM, rngs=rngs)
+      self.tower = nnx.Linear(DIM, 1, rngs=rngs)
+
+    def __call__(self, users):
+      return self.tower(self.users(users))[..., 0]
+
+  def loss_fn(model, users, targets):
+    return jnp.mean((model(users) - targets) ** 2)
+
+  rng = np.random.default_rng(3)
+  batches = [
+    (ids_of("cross_device_duplicates", rng).astype(np.int32), rng.normal(size=BATCH))
+    for _ in range(STEPS)
+  ]
+
+  def run(mesh):
+    model = Model(nnx.Rngs(0))
+    put = jnp.asarray
+    if mesh is not None:
+      table = model.users.embedding
+      table.set_value(jax.device_put(table.get_value(), NamedSharding(mesh, P("x", None))))
+      put = lambda x: jax.device_put(x, NamedSharding(mesh, P("x")))  # noqa: E731
+    tx = optax.multi_transform(
+      {"sparse": osa.sparse_adam(1e-2), "dense": optax.adam(1e-2)}, osa.table_labels(model)
+    )
+    optimizer = osa.SparseOptimizer(model, tx, wrt=nnx.Param)
+
+    @nnx.jit
+    def step(model, optimizer, users, targets):
+      loss, grads = osa.sparse_value_and_grad(loss_fn)(model, users, targets)
+      optimizer.update(model, grads)
+      return loss
+
+    for users, targets in batches:
+      step(model, optimizer, put(users), put(targets.astype(np.float32)))
+    return np.asarray(model.users.embedding.get_value())
+
+  reference = run(None)
+  traced = []
+  rows_step, scatter_add = routed.rows_step, routed.scatter_add
+  routed.rows_step = lambda *a, **k: traced.append("step") or rows_step(*a, **k)
+  routed.scatter_add = lambda *a, **k: traced.append("apply") or scatter_add(*a, **k)
+  try:
+    mesh = jax.make_mesh((NUM_DEVICES,), ("x",), axis_types=(AxisType.Auto,))
+    with osa.sharded_routing(auto_axis="x"):
+      table = run(mesh)
+  finally:
+    routed.rows_step, routed.scatter_add = rows_step, scatter_add
+  return {
+    "max_abs_diff": float(np.max(np.abs(table - reference))),
+    "routed": sorted(set(traced)),
+  }
+
+
 def main():
   assert jax.device_count() == NUM_DEVICES, jax.devices()
   results = {"runs": {}, "local": LOCAL, "dim": DIM}
@@ -255,6 +320,7 @@ def main():
     results["runs"][f"auto/replicated_batch_of_{batch}"] = run
   explicit = jax.make_mesh((NUM_DEVICES,), ("x",), axis_types=(AxisType.Explicit,))
   results["lookups"] = lookups()
+  results["flax_nnx"] = flax_nnx()
   results["apply_foreign"] = apply_foreign_update(explicit)
   json.dump(results, sys.stdout)
 

@@ -203,3 +203,11 @@ def test_sharded_lookup_refuses_ids_that_are_not_1d_integers():
     osa.sharded_lookup(table, jnp.zeros((2, 2), jnp.int32))
   with pytest.raises(ValueError, match="dtype float32"):
     osa.sharded_lookup(table, jnp.zeros((2,), jnp.float32))
+
+
+def test_a_flax_nnx_table_row_sharded_is_stepped_routed_as_on_one_device(checks):
+  result = checks["flax_nnx"]
+  if result is None:
+    pytest.skip("flax is not installed")
+  assert result["routed"] == ["apply", "step"]
+  assert result["max_abs_diff"] <= F32_ATOL
