@@ -18,11 +18,16 @@ so `apply_updates` adds it locally, with no collective but a flag.
 
 A step where some device has more distinct rows for one owner than the
 capacity (heavily skewed ids) takes the overflow path, decided on every device
-alike: all devices' entries are all-gathered, each owner steps its rows (sums
-in global input order, as one device), and the owners' rows are spread over the
+alike: all devices' entries are all-gathered, each owner sums its rows' entries
+in global input order (as one device does) and steps them in rounds of as many
+distinct rows as the update has slots, and the owners' rows are spread over the
 update's slots (`routing.spread_rows`); `apply_updates` then sees rows on
 devices that do not own them and all-gathers the update. Nothing is dropped;
 such a step costs what the partitioned step costs.
+
+The tables ride a `while_loop` (one round unless the step overflows), not a
+`cond`: XLA updates a loop's carry in place, but copies a table that a cond's
+branch both reads and writes.
 
 Routing is chosen when the arrays' shardings are known at trace time: concrete
 arrays, and arrays typed on a mesh with `Explicit` axes. Under `Auto` axes a
@@ -210,8 +215,7 @@ def rows_step(
   leaves, treedef = jax.tree.flatten(options)
   traced = [i for i, leaf in enumerate(leaves) if isinstance(leaf, jax.Array)]
   names = [name for name, table in tables._asdict().items() if table is not None]
-
-  kept = [name for name in names if name != "param"]
+  kept = [name for name in names if name != "param"]  # param is read, never written
 
   def owner_step(local_rows, local_values, carried, param, option_arrays):
     full = list(leaves)
