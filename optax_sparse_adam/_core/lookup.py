@@ -65,7 +65,24 @@ def sharded_lookup(table: jax.Array, ids: jax.Array) -> jax.Array:
   if plan is None:
     out_spec = PartitionSpec(*sharding.spec_of(ids), *([None] * (table.ndim - 1)))
     return sharding.call_with_auto_axes(lambda t, i: t[i], (table, ids), out_spec)
-  return _routed_lookup(table, ids, plan)
+  return _routed_lookup(table, ids, plan, padding=False)
+
+
+def lookup_or_zeros(table: jax.Array, ids: jax.Array) -> jax.Array:
+  """`table[ids]` for ids of any shape, ids outside `[0, num_rows)` reading zero rows.
+
+  Routed as `sharded_lookup` is where the table and the flattened ids are split
+  alike; elsewhere one gather. The Flax tables' lookup (padding ids, negative
+  ones included, read zero rows there).
+  """
+  num_rows = table.shape[0]
+  if ids.ndim == 1 or not sharding.explicit_axes():
+    flat = ids.reshape(-1)
+    plan = _plan(table, flat)
+    if plan is not None:
+      rows = _routed_lookup(table, flat, plan, padding=True)
+      return rows.reshape(ids.shape + table.shape[1:])
+  return table.at[jnp.where(ids < 0, num_rows, ids)].get(mode="fill", fill_value=0)
 
 
 def _plan(table: jax.Array, ids: jax.Array) -> routed.Plan | None:
@@ -84,7 +101,10 @@ def _plan(table: jax.Array, ids: jax.Array) -> routed.Plan | None:
   return routed.Plan(axis, mesh, num_shards, capacity)
 
 
-def _routed_lookup(table: jax.Array, ids: jax.Array, plan: routed.Plan) -> jax.Array:
+def _routed_lookup(
+  table: jax.Array, ids: jax.Array, plan: routed.Plan, *, padding: bool
+) -> jax.Array:
+  """The routed lookup; `padding`: ids out of range read zero rows (else as `table[ids]`)."""
   axis, num_shards, capacity = plan.axis, plan.num_shards, plan.capacity
   num_rows = table.shape[0]
   rows_per_shard = num_rows // num_shards
@@ -93,9 +113,12 @@ def _routed_lookup(table: jax.Array, ids: jax.Array, plan: routed.Plan) -> jax.A
 
   def body(table, ids):
     shard = lax.axis_index(axis)
-    # table[ids]'s indexing: negative ids from the end, then clamped into range.
-    ids = ids.astype(jnp.int32)
-    rows = jnp.clip(jnp.where(ids < 0, ids + num_rows, ids), 0, num_rows - 1)
+    if padding:  # out-of-range ids: padding row num_rows, which no owner holds
+      valid = (ids >= 0) & (ids < num_rows)
+      rows = jnp.where(valid, ids, num_rows).astype(jnp.int32)
+    else:  # table[ids]'s indexing: negative ids from the end, then clamped into range
+      rows = jnp.clip(jnp.where(ids < 0, ids + num_rows, ids), 0, num_rows - 1)
+      rows = rows.astype(jnp.int32)
     numbered = bcoo.sort_rows(rows, num_rows)
     slot = bcoo.segments_by_search(rows, numbered, num_rows)
     # Only the ids travel: values of no columns.
@@ -113,7 +136,10 @@ def _routed_lookup(table: jax.Array, ids: jax.Array, plan: routed.Plan) -> jax.A
       owner = numbered.unique_rows[slot] // rows_per_shard
       bounds = jnp.arange(num_shards, dtype=jnp.int32) * rows_per_shard
       starts = jnp.searchsorted(numbered.unique_rows, bounds, side="left", method="compare_all")
-      return answered[owner * capacity + slot - starts[owner]]
+      found = answered[owner * capacity + slot - starts[owner]]
+      if padding:
+        found = jnp.where(routing.expand(valid, found.ndim), found, jnp.zeros((), found.dtype))
+      return found
 
     @jax.named_scope(routed.OVERFLOW_SCOPE)
     def gathered_rows(table):

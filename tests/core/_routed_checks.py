@@ -29,7 +29,7 @@ from jax.sharding import AxisType, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import optax_sparse_adam as osa  # noqa: E402
-from optax_sparse_adam._core import routed  # noqa: E402
+from optax_sparse_adam._core import lookup, routed  # noqa: E402
 
 NUM_DEVICES = 8
 NUM_ROWS, DIM, BATCH, STEPS = 4096, 8, 256, 3
@@ -222,14 +222,18 @@ def flax_nnx():
       self.tower = nnx.Linear(DIM, 1, rngs=rngs)
 
     def __call__(self, users):
-      return self.tower(self.users(users))[..., 0]
+      return self.tower(self.users(users))[..., 0].sum(-1)
 
   def loss_fn(model, users, targets):
     return jnp.mean((model(users) - targets) ** 2)
 
   rng = np.random.default_rng(3)
+  # Two ids per example, some of them padding (out of range: zero rows, no gradient).
   batches = [
-    (ids_of("cross_device_duplicates", rng).astype(np.int32), rng.normal(size=BATCH))
+    (
+      np.stack([ids_of("cross_device_duplicates", rng), ids_of("out_of_range", rng)], -1),
+      rng.normal(size=BATCH),
+    )
     for _ in range(STEPS)
   ]
 
@@ -239,7 +243,7 @@ def flax_nnx():
     if mesh is not None:
       table = model.users.embedding
       table.set_value(jax.device_put(table.get_value(), NamedSharding(mesh, P("x", None))))
-      put = lambda x: jax.device_put(x, NamedSharding(mesh, P("x")))  # noqa: E731
+      put = lambda x: jax.device_put(x, NamedSharding(mesh, P("x", *[None] * (x.ndim - 1))))  # noqa: E731
     tx = optax.multi_transform(
       {"sparse": osa.sparse_adam(1e-2), "dense": optax.adam(1e-2)}, osa.table_labels(model)
     )
@@ -252,23 +256,29 @@ def flax_nnx():
       return loss
 
     for users, targets in batches:
-      step(model, optimizer, put(users), put(targets.astype(np.float32)))
-    return np.asarray(model.users.embedding.get_value())
+      args = (put(users.astype(np.int32)), put(targets.astype(np.float32)))
+      step(model, optimizer, *args)
+    hlo = step.lower(model, optimizer, *args).compile().as_text()
+    return np.asarray(model.users.embedding.get_value()), hlo
 
-  reference = run(None)
+  reference, _ = run(None)
   traced = []
   rows_step, scatter_add = routed.rows_step, routed.scatter_add
+  routed_lookup = lookup._routed_lookup
   routed.rows_step = lambda *a, **k: traced.append("step") or rows_step(*a, **k)
   routed.scatter_add = lambda *a, **k: traced.append("apply") or scatter_add(*a, **k)
+  lookup._routed_lookup = lambda *a, **k: traced.append("lookup") or routed_lookup(*a, **k)
   try:
     mesh = jax.make_mesh((NUM_DEVICES,), ("x",), axis_types=(AxisType.Auto,))
     with osa.sharded_routing(auto_axis="x"):
-      table = run(mesh)
+      table, hlo = run(mesh)
   finally:
     routed.rows_step, routed.scatter_add = rows_step, scatter_add
+    lookup._routed_lookup = routed_lookup
   return {
     "max_abs_diff": float(np.max(np.abs(table - reference))),
     "routed": sorted(set(traced)),
+    "collectives": collectives(hlo),
   }
 
 

@@ -205,9 +205,18 @@ def test_sharded_lookup_refuses_ids_that_are_not_1d_integers():
     osa.sharded_lookup(table, jnp.zeros((2,), jnp.float32))
 
 
-def test_a_flax_nnx_table_row_sharded_is_stepped_routed_as_on_one_device(checks):
+def test_a_flax_nnx_table_row_sharded_is_looked_up_and_stepped_routed_as_on_one_device(checks):
+  """SparseEmbed's lookup (2 ids per example, some padding), sparse_value_and_grad and
+  SparseOptimizer: every collective of the whole compiled train step outside the
+  overflow paths is an all-to-all (lookup: ids out, rows back; step) or a small
+  all-reduce (flags, the loss, the dense tower's gradient)."""
   result = checks["flax_nnx"]
   if result is None:
     pytest.skip("flax is not installed")
-  assert result["routed"] == ["apply", "step"]
+  assert result["routed"] == ["apply", "lookup", "step"]
   assert result["max_abs_diff"] <= F32_ATOL
+  routed_path = [(op, size) for op, size, overflow in result["collectives"] if not overflow]
+  assert [op for op, _ in routed_path].count("all-to-all") == 3
+  assert all(size <= 2 * checks["dim"] for op, size in routed_path if op != "all-to-all"), (
+    routed_path
+  )
