@@ -175,6 +175,65 @@ def routed_train_step(optimizer):
   return step
 
 
+def nnx_train_step(args, table, ids, targets, mesh):
+  """The whole Flax NNX train step (`SparseEmbed` lookup, `sparse_value_and_grad`,
+  `SparseOptimizer`), partitioned and routed; None without flax."""
+  try:
+    from flax import nnx
+  except ImportError:
+    return None
+  from optax_sparse_adam._core import routed
+
+  class Model(nnx.Module):
+    def __init__(self):
+      self.embed = osa.SparseEmbed(args.rows, args.dim, rngs=nnx.Rngs(0))
+
+    def __call__(self, ids):
+      return self.embed(ids)
+
+  def loss_fn(model, ids, targets):
+    return loss_of_rows(model(ids), targets)
+
+  def put(x, spec):
+    return jax.device_put(x, NamedSharding(mesh, spec))
+
+  runs = []
+  for path in ("partitioned", "routed"):
+    routing_on = path == "routed"
+    with osa.sharded_routing(routing_on, auto_axis="x" if routing_on else None):
+      model = Model()
+      model.embed.embedding.set_value(put(table, P("x", None)))
+      optimizer = osa.SparseOptimizer(model, osa.sparse_adam(1e-3), wrt=nnx.Param)
+
+      @nnx.jit(donate_argnums=(0, 1))
+      def step(model, optimizer, ids, targets):
+        loss, grads = osa.sparse_value_and_grad(loss_fn)(model, ids, targets)
+        optimizer.update(model, grads)
+        return loss
+
+      batch = (put(ids, P("x")), put(targets, P("x")))
+      compiled = step.lower(model, optimizer, *batch).compile()
+      hlo = compiled.as_text()
+      step(model, optimizer, *batch).block_until_ready()
+      seconds = []
+      for _ in range(args.rounds):
+        start = time.perf_counter()
+        step(model, optimizer, *batch).block_until_ready()
+        seconds.append(time.perf_counter() - start)
+    runs.append(
+      {
+        "what": "NNX train step",
+        "path": path,
+        "bytes": collective_bytes(hlo, skip_scope=routed.OVERFLOW_SCOPE),
+        "overflow_bytes": collective_bytes(hlo)
+        - collective_bytes(hlo, skip_scope=routed.OVERFLOW_SCOPE),
+        "scratch": compiled.memory_analysis().temp_size_in_bytes,
+        "ms": 1e3 * statistics.median(seconds),
+      }
+    )
+  return runs
+
+
 def weak_scaling_worker(args):
   """One N: measures the partitioned and the routed step; prints one JSON line."""
   from optax_sparse_adam._core import routed, routing
@@ -204,6 +263,7 @@ def weak_scaling_worker(args):
     "train step": (routed_train_step(optimizer), (ids, targets)),
   }
   results = []
+  nnx_run = nnx_train_step(args, table, ids, targets, mesh)
   for what, (step, inputs) in steps.items():
     for path in ("partitioned", "routed"):
       routing_on = path == "routed"
@@ -234,6 +294,8 @@ def weak_scaling_worker(args):
           "ms": 1e3 * statistics.median(seconds),
         }
       )
+  if nnx_run is not None:
+    results.extend(nnx_run)
   # Whether the routed step overflows on this batch (some device holds more
   # distinct rows for one owner than the capacity), counted here in NumPy.
   capacity = routing.capacity(args.local_batch, num_devices, routed.current().capacity_factor)
@@ -273,7 +335,12 @@ def weak_scaling(args):
   )
   print(header)
   print("-" * len(header))
-  for what in ("optimizer step", "train step"):
+  kinds = [
+    k
+    for k in ("optimizer step", "train step", "NNX train step")
+    if any(r["what"] == k for r in reports[0]["runs"])
+  ]
+  for what in kinds:
     for path in ("partitioned", "routed"):
       for report in reports:
         run = next(r for r in report["runs"] if r["what"] == what and r["path"] == path)
@@ -282,7 +349,7 @@ def weak_scaling(args):
           f"{run['bytes'] / local_batch_bytes:>12.2f}x {run['overflow_bytes'] / 1e6:>16.3f} | "
           f"{run['scratch'] / 2**20:>15.1f} | {run['ms']:>8.1f}"
         )
-  for what in ("optimizer step", "train step"):
+  for what in kinds:
     by_n = {
       r["devices"]: next(x for x in r["runs"] if x["what"] == what and x["path"] == "routed")
       for r in reports
