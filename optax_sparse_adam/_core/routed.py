@@ -238,7 +238,7 @@ def rows_step(
     )
 
     def routed_input(round_index):
-      got_rows, got_values = routing.exchange(buckets.rows, buckets.values, axis)
+      got_rows, got_values = routing.exchange(buckets.rows, buckets.values, axis, max_row=num_rows)
       return routing.to_local(got_rows, shard, rows_per_shard), got_values, jnp.int32(1), 0
 
     if capacity >= local_entries:  # no device can fill a bucket: no overflow path
@@ -251,7 +251,7 @@ def rows_step(
     def gathered_input(round_index):
       # All entries of the owner's rows, summed in global input order (as one
       # device sums them), stepped `slots` distinct rows per round.
-      all_rows, all_values = routing.gather_all(rows, values, axis)
+      all_rows, all_values = routing.gather_all(rows, values, axis, max_row=num_rows)
       local = routing.to_local(all_rows, shard, rows_per_shard)
       owned = bcoo.coalesce_rows(local, all_values, rows_per_shard)
       count = jnp.sum(owned.rows < rows_per_shard, dtype=jnp.int32)
@@ -368,7 +368,7 @@ def scatter_add(
 
     @jax.named_scope(OVERFLOW_SCOPE)
     def gathered(param):
-      all_rows, all_values = routing.gather_all(rows, values, axis)
+      all_rows, all_values = routing.gather_all(rows, values, axis, max_row=num_rows)
       return add(param, routing.to_local(all_rows, shard, rows_per_shard), all_values)
 
     return lax.cond(foreign, gathered, lambda p: add(p, local, values), param)

@@ -10,8 +10,8 @@ mesh axis of `num_shards` devices. Device `k` owns the table rows
                     owner are contiguous in ascending order, so a bucket is a
                     slice); `overflow` says a bucket needed more slots.
   exchange          one `all_to_all`: bucket `d` of every device goes to device
-                    `d`; ids travel bit-cast inside the rows' own dtype, so one
-                    collective carries both.
+                    `d`; float32 rows carry their ids bit-cast in one more
+                    word, so one collective carries both (two otherwise).
   gather_all        the overflow path: every device's entries on every device
                     (`all_gather`, in global input order).
   spread_rows       the overflow path: owners' distinct rows placed in global
@@ -93,28 +93,41 @@ def bucket_by_owner(
   return Buckets(rows, values, jnp.any(counts > capacity))
 
 
-def exchange(rows: jax.Array, values: jax.Array, axis: str) -> tuple[jax.Array, jax.Array]:
-  """Sends bucket `d` of `(rows, values)` to device `d` along `axis`, in one `all_to_all`.
+def exchange(
+  rows: jax.Array, values: jax.Array, axis: str, *, max_row: int
+) -> tuple[jax.Array, jax.Array]:
+  """Sends bucket `d` of `(rows, values)` to device `d` along `axis`.
 
   Args:
-    rows: int32 `(num_shards * capacity,)`.
+    rows: int32 `(num_shards * capacity,)`, each at most `max_row`.
     values: `(num_shards * capacity, *dense_shape)` of a floating dtype.
     axis: the mesh axis name.
+    max_row: a bound on `rows`.
 
   Returns:
     `(rows, values)` received, the same shapes: slots `[s * capacity, (s + 1) *
     capacity)` came from device `s`, so summing a row's slots in order adds the
     senders' sums in device order.
   """
-  packed = _pack(rows, values)
-  received = lax.all_to_all(packed, axis, 0, 0, tiled=True)
-  return _unpack(received, values)
+  if _packs(values, max_row):
+    received = lax.all_to_all(_pack(rows, values), axis, 0, 0, tiled=True)
+    return _unpack(received, values)
+  return (
+    lax.all_to_all(rows, axis, 0, 0, tiled=True),
+    lax.all_to_all(values, axis, 0, 0, tiled=True),
+  )
 
 
-def gather_all(rows: jax.Array, values: jax.Array, axis: str) -> tuple[jax.Array, jax.Array]:
+def gather_all(
+  rows: jax.Array, values: jax.Array, axis: str, *, max_row: int
+) -> tuple[jax.Array, jax.Array]:
   """Every device's `(rows, values)`, concatenated in device order (global input order)."""
-  packed = lax.all_gather(_pack(rows, values), axis, axis=0, tiled=True)
-  return _unpack(packed, values)
+  if _packs(values, max_row):
+    return _unpack(lax.all_gather(_pack(rows, values), axis, axis=0, tiled=True), values)
+  return (
+    lax.all_gather(rows, axis, axis=0, tiled=True),
+    lax.all_gather(values, axis, axis=0, tiled=True),
+  )
 
 
 def to_local(rows: jax.Array, shard: jax.Array, rows_per_shard: int) -> jax.Array:
@@ -191,33 +204,31 @@ def expand(mask: jax.Array, ndim: int) -> jax.Array:
   return mask.reshape(mask.shape + (1,) * (ndim - mask.ndim))
 
 
+# The first float32 bit pattern that is not a finite number: ids below it travel
+# as float32 bits unchanged (NaN payloads could be rewritten on the way).
+_FLOAT32_NONFINITE = 0x7F800000
+
+
+def _packs(values: jax.Array, max_row: int) -> bool:
+  """Whether ids can travel bit-cast in `values`' float32 words.
+
+  Only float32: 16-bit words would hold NaN patterns for some ids, which XLA may
+  canonicalize (XLA:CPU computes bfloat16 through float32).
+  """
+  return values.dtype == jnp.float32 and max_row < _FLOAT32_NONFINITE
+
+
 def _pack(rows: jax.Array, values: jax.Array) -> jax.Array:
-  """`(n, words + W)` of the values' dtype: each row's id bit-cast, then its W values."""
+  """`(n, 1 + W)` float32: each row's id bit-cast, then its W values."""
   n = rows.shape[0]
-  itemsize = values.dtype.itemsize
-  rows = rows.astype(jnp.int32)
-  if itemsize == 8:
-    words = lax.bitcast_convert_type(jnp.stack([rows, jnp.zeros_like(rows)], -1), values.dtype)
-    words = words[:, None]
-  elif itemsize == 4:
-    words = lax.bitcast_convert_type(rows, values.dtype)[:, None]
-  else:
-    words = lax.bitcast_convert_type(rows, values.dtype)
+  words = lax.bitcast_convert_type(rows.astype(jnp.int32), jnp.float32)[:, None]
   return jnp.concatenate([words, values.reshape(n, math.prod(values.shape[1:]))], axis=1)
 
 
 def _unpack(packed: jax.Array, like: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """The inverse of `_pack`; `like` gives the values' dtype and trailing shape."""
-  itemsize = like.dtype.itemsize
-  words = max(1, 4 // itemsize)
-  head, values = packed[:, :words], packed[:, words:]
-  if itemsize == 8:
-    rows = lax.bitcast_convert_type(head[:, 0], jnp.int32)[:, 0]
-  elif itemsize == 4:
-    rows = lax.bitcast_convert_type(head[:, 0], jnp.int32)
-  else:
-    rows = lax.bitcast_convert_type(head, jnp.int32)
-  return rows, values.reshape((packed.shape[0],) + like.shape[1:])
+  """The inverse of `_pack`; `like` gives the values' trailing shape."""
+  rows = lax.bitcast_convert_type(packed[:, 0], jnp.int32)
+  return rows, packed[:, 1:].reshape((packed.shape[0],) + like.shape[1:])
 
 
 def int32_fits(num_rows: int, total_slots: int) -> bool:

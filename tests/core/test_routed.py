@@ -112,17 +112,21 @@ def test_state_keeps_the_tables_row_sharding(checks, run):
 @pytest.mark.parametrize("run", ROUTED_RUNS)
 def test_routed_path_sends_one_all_to_all_of_the_buckets(checks, run):
   """Outside the overflow path: one all-to-all of `capacity` slots per owner, each slot
-  a row's id and values, and scalar flags; nothing of the global batch's size."""
+  a row's id and values (ids apart for bfloat16), and scalar flags; nothing of the
+  global batch's size."""
   local, dim = checks["local"], checks["dim"]
   num_shards = 4 if run.startswith("two_axes") else 8
   factor = 1.0 if run.endswith("cf1") else 2.0
   local = local * 8 // num_shards if run.startswith("two_axes") else local
   slots = num_shards * routing.capacity(local, num_shards, factor)
-  words = 2 if "/bf16/" in run else 1  # an int32 id in bfloat16 words
   routed_path = [
     (op, size) for op, size, overflow in checks["runs"][run]["collectives"] if not overflow
   ]
-  assert [size for op, size in routed_path if op == "all-to-all"] == [slots * (dim + words)]
+  sent = sorted(size for op, size in routed_path if op == "all-to-all")
+  if "/bf16/" in run:  # ids apart from bfloat16 rows
+    assert sent == [slots, slots * dim]
+  else:  # each float32 row carries its id in one more word
+    assert sent == [slots * (dim + 1)]
   assert all(size == 1 for op, size in routed_path if op != "all-to-all"), routed_path
 
 
@@ -220,3 +224,54 @@ def test_a_flax_nnx_table_row_sharded_is_looked_up_and_stepped_routed_as_on_one_
   assert all(size <= 2 * checks["dim"] for op, size in routed_path if op != "all-to-all"), (
     routed_path
   )
+
+
+@pytest.mark.parametrize("row_shape", [(), (3,), (2, 2)])
+def test_ids_travel_bit_cast_in_float32_words_and_come_back_exact(row_shape):
+  # Ids up to the first non-finite float32 pattern: denormal and normal patterns.
+  rows = jnp.array([0, 7, 0x7F7FFFFF, 123456789], jnp.int32)
+  values = jnp.arange(4 * int(np.prod(row_shape)), dtype=jnp.float32).reshape((4,) + row_shape)
+  assert routing._packs(values, max_row=0x7F7FFFFF)
+  packed = routing._pack(rows, values - 5)
+  got_rows, got_values = routing._unpack(packed, values)
+  np.testing.assert_array_equal(got_rows, rows)
+  np.testing.assert_array_equal(got_values, values - 5)
+
+
+def test_ids_that_would_be_nan_patterns_or_16_bit_words_travel_apart():
+  """bfloat16 words would hold NaN patterns for some ids (2**31 - 1 is two NaNs),
+  which XLA:CPU rewrites: such rows and ids go in two collectives."""
+  assert not routing._packs(jnp.zeros((2, 3), jnp.bfloat16), max_row=10)
+  assert not routing._packs(jnp.zeros((2, 3), jnp.float16), max_row=10)
+  assert not routing._packs(jnp.zeros((2, 3), jnp.float32), max_row=0x7F800000)
+
+
+def test_buckets_hold_each_owners_distinct_rows_and_flag_overflow():
+  # 4 owners of 10 rows each; slots past a bucket's rows are padding (num_rows).
+  coalesced = osa.coalesce_rows(
+    jnp.array([12, 3, 3, 31, 35, 38, 39, 40, -1], jnp.int32), jnp.ones((9, 2)), 40
+  )
+  buckets = routing.bucket_by_owner(coalesced, num_rows=40, num_shards=4, capacity=3)
+  np.testing.assert_array_equal(buckets.rows, [3, 40, 40, 12, 40, 40, 40, 40, 40, 31, 35, 38])
+  np.testing.assert_array_equal(buckets.values[:, 0], [2, 0, 0, 1, 0, 0, 0, 0, 0, 1, 1, 1])
+  # Owner 3 has 4 distinct rows (31, 35, 38, 39): 3 slots are too few.
+  assert bool(buckets.overflow)
+  roomy = routing.bucket_by_owner(coalesced, num_rows=40, num_shards=4, capacity=4)
+  assert not bool(roomy.overflow)
+
+
+def test_block_ids_and_global_ids_convert_both_ways_with_unique_padding():
+  shard = jnp.int32(2)
+  local = routing.to_local(jnp.array([20, 29, 19, 30, 40], jnp.int32), shard, 10)
+  np.testing.assert_array_equal(local, [0, 9, 10, 10, 10])
+  ids = routing.owned_ids(jnp.array([0, 9, 10, 12], jnp.int32), shard, 10)
+  np.testing.assert_array_equal(ids, [21, 30, 0, 0])
+  np.testing.assert_array_equal(
+    routing.decode_rows(ids, shard, 40), [20, 29, 40 + 8 + 2, 40 + 8 + 3]
+  )
+
+
+def test_chunk_reads_fill_past_the_end():
+  x = jnp.arange(5)
+  np.testing.assert_array_equal(routing.chunk(x, jnp.int32(1), 3, -1), [3, 4, -1])
+  np.testing.assert_array_equal(routing.chunk(x, jnp.int32(0), 3, -1), [0, 1, 2])
