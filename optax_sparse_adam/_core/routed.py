@@ -418,8 +418,8 @@ def split_rows(x: Any, auto_axis: str | None) -> tuple[str, Any] | None:
     if mesh is None or mesh.empty:
       return None
     if not getattr(mesh, "explicit_axes", ()):
-      if auto_axis is None or auto_axis not in mesh.axis_names:
-        return None
+      if auto_axis is None or auto_axis not in getattr(mesh, "auto_axes", ()):
+        return None  # no axis named, or inside a shard_map over it already
       return auto_axis, mesh
     spec = sharding.spec_of(x)
   else:
