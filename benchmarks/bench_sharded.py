@@ -19,6 +19,17 @@ over to GPUs and TPUs; the times do not (see the note printed at the end).
 
   python -m benchmarks.bench_sharded              # about a minute
   python -m benchmarks.bench_sharded --rows 1000000 --rounds 10
+
+Weak scaling (`--weak-scaling`): a fixed local batch (2048 ids per device) on
+N = 1, 2, 4, 8 forced CPU devices, one process per N, the table row-sharded
+P('x', None); the step left to XLA's partitioner and the routed step
+(`osa.sharded_routing`) side by side: collective bytes per device (from the
+compiled HLO; the routed step's overflow path counted apart), scratch memory per
+device and step time, for the optimizer step (`update` + `apply_updates`) and
+for the whole train step (lookup, gradient, update, apply; the lookup is
+`osa.sharded_lookup`, which is `table[ids]` where routing is off).
+
+  python -m benchmarks.bench_sharded --weak-scaling     # a few minutes
 """
 
 import os
@@ -30,8 +41,11 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import argparse  # noqa: E402
+import json  # noqa: E402
 import re  # noqa: E402
 import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
 import time  # noqa: E402
 
 import jax  # noqa: E402
@@ -59,15 +73,23 @@ def parse_args():
   parser.add_argument("--batch", type=int, default=8192)
   parser.add_argument("--rounds", type=int, default=5)
   parser.add_argument("--steps-per-round", type=int, default=5)
+  parser.add_argument("--weak-scaling", action="store_true", help="the weak-scaling mode")
+  parser.add_argument("--local-batch", type=int, default=2048, help="ids per device (weak scaling)")
+  parser.add_argument("--ids", choices=("uniform", "zipf"), default="uniform")
+  parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
   return parser.parse_args()
 
 
-def collective_bytes(hlo_text):
-  """Total bytes of the arrays that the collectives of an HLO module produce."""
+def collective_bytes(hlo_text, *, skip_scope=None):
+  """Total bytes of the arrays that the collectives of an HLO module produce.
+
+  Collectives whose op name holds `skip_scope` (e.g. the routed step's overflow
+  path) are left out.
+  """
   total = 0
   for line in hlo_text.splitlines():
     match = COLLECTIVE.search(line)
-    if match is None:
+    if match is None or (skip_scope is not None and skip_scope in line):
       continue
     for array in ARRAY_TYPE.finditer(match["type"]):
       dims = [int(d) for d in array["dims"].split(",") if d]
@@ -130,8 +152,232 @@ class Layout:
     self.seconds.append((time.perf_counter() - start) / steps)
 
 
+def optimizer_step(optimizer):
+  """`update` + `apply_updates` from the gathered rows' gradient (no lookup)."""
+
+  def step(table, state, ids, grad_rows):
+    grad = sparse.BCOO((grad_rows, ids[:, None]), shape=table.shape)
+    updates, state = optimizer.update({"table": grad}, state)
+    return osa.apply_updates({"table": table}, updates)["table"], state
+
+  return step
+
+
+def routed_train_step(optimizer):
+  """`sparse_step` with the lookup `osa.sharded_lookup` (routed where the step is)."""
+
+  def step(table, state, ids, targets):
+    grad_rows = jax.grad(loss_of_rows)(osa.sharded_lookup(table, ids), targets)
+    grad = sparse.BCOO((grad_rows, ids[:, None]), shape=table.shape)
+    updates, state = optimizer.update({"table": grad}, state)
+    return osa.apply_updates({"table": table}, updates)["table"], state
+
+  return step
+
+
+def nnx_train_step(args, table, ids, targets, mesh):
+  """The whole Flax NNX train step (`SparseEmbed` lookup, `sparse_value_and_grad`,
+  `SparseOptimizer`), partitioned and routed; None without flax."""
+  try:
+    from flax import nnx
+  except ImportError:
+    return None
+  from optax_sparse_adam._core import routed
+
+  class Model(nnx.Module):
+    def __init__(self):
+      self.embed = osa.SparseEmbed(args.rows, args.dim, rngs=nnx.Rngs(0))
+
+    def __call__(self, ids):
+      return self.embed(ids)
+
+  def loss_fn(model, ids, targets):
+    return loss_of_rows(model(ids), targets)
+
+  def put(x, spec):
+    return jax.device_put(x, NamedSharding(mesh, spec))
+
+  runs = []
+  for path in ("partitioned", "routed"):
+    routing_on = path == "routed"
+    with osa.sharded_routing(routing_on, auto_axis="x" if routing_on else None):
+      model = Model()
+      model.embed.embedding.set_value(put(table, P("x", None)))
+      optimizer = osa.SparseOptimizer(model, osa.sparse_adam(1e-3), wrt=nnx.Param)
+
+      @nnx.jit(donate_argnums=(0, 1))
+      def step(model, optimizer, ids, targets):
+        loss, grads = osa.sparse_value_and_grad(loss_fn)(model, ids, targets)
+        optimizer.update(model, grads)
+        return loss
+
+      batch = (put(ids, P("x")), put(targets, P("x")))
+      compiled = step.lower(model, optimizer, *batch).compile()
+      hlo = compiled.as_text()
+      step(model, optimizer, *batch).block_until_ready()
+      seconds = []
+      for _ in range(args.rounds):
+        start = time.perf_counter()
+        step(model, optimizer, *batch).block_until_ready()
+        seconds.append(time.perf_counter() - start)
+    runs.append(
+      {
+        "what": "NNX train step",
+        "path": path,
+        "bytes": collective_bytes(hlo, skip_scope=routed.OVERFLOW_SCOPE),
+        "overflow_bytes": collective_bytes(hlo)
+        - collective_bytes(hlo, skip_scope=routed.OVERFLOW_SCOPE),
+        "scratch": compiled.memory_analysis().temp_size_in_bytes,
+        "ms": 1e3 * statistics.median(seconds),
+      }
+    )
+  return runs
+
+
+def weak_scaling_worker(args):
+  """One N: measures the partitioned and the routed step; prints one JSON line."""
+  from optax_sparse_adam._core import routed, routing
+
+  num_devices = jax.device_count()
+  rng = np.random.default_rng(0)
+  batch = num_devices * args.local_batch
+  table = rng.normal(size=(args.rows, args.dim)).astype(np.float32)
+  if args.ids == "zipf":
+    popularity = 1.0 / np.arange(1, args.rows + 1) ** 1.05
+    ids = rng.choice(args.rows, size=batch, p=popularity / popularity.sum())
+  else:
+    ids = rng.integers(0, args.rows, batch)
+  ids = ids.astype(np.int32)
+  targets = rng.normal(size=batch).astype(np.float32)
+  grad_rows = rng.normal(size=(batch, args.dim)).astype(np.float32)
+  mesh = jax.make_mesh((num_devices,), ("x",), axis_types=(AxisType.Auto,))
+  put_table = lambda x: jax.device_put(x, NamedSharding(mesh, P("x", None)))  # noqa: E731
+
+  def put_batch(x):
+    return jax.device_put(x, NamedSharding(mesh, P("x", *([None] * (x.ndim - 1)))))
+
+  optimizer = osa.sparse_adam(1e-3)
+  steps = {
+    "optimizer step": (optimizer_step(optimizer), (ids, grad_rows)),
+    # The lookup: XLA's table[ids] when left to XLA, osa.sharded_lookup when routed.
+    "train step": (routed_train_step(optimizer), (ids, targets)),
+  }
+  results = []
+  nnx_run = nnx_train_step(args, table, ids, targets, mesh)
+  for what, (step, inputs) in steps.items():
+    for path in ("partitioned", "routed"):
+      routing_on = path == "routed"
+      with osa.sharded_routing(routing_on, auto_axis="x" if routing_on else None):
+        jitted = jax.jit(step, donate_argnums=(0, 1))
+        table_on = put_table(table)
+        state = optimizer.init({"table": table_on})
+        batch_on = [put_batch(x) for x in inputs]
+        compiled = jitted.lower(table_on, state, *batch_on).compile()
+        hlo = compiled.as_text()
+        memory = compiled.memory_analysis()
+        table_on, state = jitted(table_on, state, *batch_on)  # warm up
+        jax.block_until_ready(table_on)
+        seconds = []
+        for _ in range(args.rounds):
+          start = time.perf_counter()
+          table_on, state = jitted(table_on, state, *batch_on)
+          jax.block_until_ready(table_on)
+          seconds.append(time.perf_counter() - start)
+      results.append(
+        {
+          "what": what,
+          "path": path,
+          "bytes": collective_bytes(hlo, skip_scope=routed.OVERFLOW_SCOPE),
+          "overflow_bytes": collective_bytes(hlo)
+          - collective_bytes(hlo, skip_scope=routed.OVERFLOW_SCOPE),
+          "scratch": memory.temp_size_in_bytes,
+          "ms": 1e3 * statistics.median(seconds),
+        }
+      )
+  if nnx_run is not None:
+    results.extend(nnx_run)
+  # Whether the routed step overflows on this batch (some device holds more
+  # distinct rows for one owner than the capacity), counted here in NumPy.
+  capacity = routing.capacity(args.local_batch, num_devices, routed.current().capacity_factor)
+  rows_per_shard = args.rows // num_devices
+  overflows = any(
+    np.max(np.bincount(np.unique(local) // rows_per_shard, minlength=num_devices)) > capacity
+    for local in ids.reshape(num_devices, args.local_batch)
+  )
+  print(json.dumps({"devices": num_devices, "overflows": bool(overflows), "runs": results}))
+
+
+def weak_scaling(args):
+  """Runs one worker process per N and prints the table."""
+  reports = []
+  for num_devices in (1, 2, 4, 8):
+    env = dict(
+      os.environ,
+      XLA_FLAGS=f"--xla_force_host_platform_device_count={num_devices}",
+      JAX_PLATFORMS="cpu",
+    )
+    command = [sys.executable, "-m", "benchmarks.bench_sharded", "--worker"]
+    command += ["--rows", str(args.rows), "--dim", str(args.dim), "--rounds", str(args.rounds)]
+    command += ["--local-batch", str(args.local_batch), "--ids", args.ids]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+      raise RuntimeError(f"the worker for N={num_devices} failed:\n{done.stderr[-3000:]}")
+    reports.append(json.loads(done.stdout.strip().splitlines()[-1]))
+  local_batch_bytes = args.local_batch * (4 + 4 * args.dim)
+  print(
+    f"\nWeak scaling: table {args.rows} x {args.dim} float32 row-sharded P('x', None), "
+    f"{args.local_batch} {args.ids} ids per device; one local batch of entries (ids + rows) "
+    f"= {local_batch_bytes / 1e6:.2f} MB; median of {args.rounds} steps\n"
+  )
+  header = (
+    f"{'step':<15} {'path':<12} {'N':>2} | {'collective MB/dev':>17} {'x local batch':>13} "
+    f"{'overflow-path MB':>16} | {'scratch MiB/dev':>15} | {'step ms':>8}"
+  )
+  print(header)
+  print("-" * len(header))
+  kinds = [
+    k
+    for k in ("optimizer step", "train step", "NNX train step")
+    if any(r["what"] == k for r in reports[0]["runs"])
+  ]
+  for what in kinds:
+    for path in ("partitioned", "routed"):
+      for report in reports:
+        run = next(r for r in report["runs"] if r["what"] == what and r["path"] == path)
+        print(
+          f"{what:<15} {path:<12} {report['devices']:>2} | {run['bytes'] / 1e6:>17.3f} "
+          f"{run['bytes'] / local_batch_bytes:>12.2f}x {run['overflow_bytes'] / 1e6:>16.3f} | "
+          f"{run['scratch'] / 2**20:>15.1f} | {run['ms']:>8.1f}"
+        )
+  for what in kinds:
+    by_n = {
+      r["devices"]: next(x for x in r["runs"] if x["what"] == what and x["path"] == "routed")
+      for r in reports
+    }
+    part = {
+      r["devices"]: next(x for x in r["runs"] if x["what"] == what and x["path"] == "partitioned")
+      for r in reports
+    }
+    print(
+      f"\n{what}: bytes per device N=8 / N=2: routed {by_n[8]['bytes'] / by_n[2]['bytes']:.2f}x, "
+      f"partitioned {part[8]['bytes'] / part[2]['bytes']:.2f}x"
+    )
+  overflowing = [r["devices"] for r in reports if r["overflows"]]
+  print(f"routed steps that overflow on this batch: N = {overflowing or 'none'}")
+  print(
+    "\nBytes and scratch are the compiler's accounting of the per-device program; the\n"
+    "times are threads of one process on this machine's cores (see the default mode's note)."
+  )
+
+
 def main():
   args = parse_args()
+  if args.worker:
+    weak_scaling_worker(args)
+    return
+  if args.weak_scaling:
+    weak_scaling(args)
+    return
   devices = jax.devices()
   rng = np.random.default_rng(0)
   table = rng.normal(size=(args.rows, args.dim)).astype(np.float32)

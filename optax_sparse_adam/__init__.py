@@ -15,6 +15,8 @@ from optax_sparse_adam._backends.cpu.kernels import use_cpu_kernels as use_cpu_k
 from optax_sparse_adam._core.adam import AdamCoefficients as AdamCoefficients
 from optax_sparse_adam._core.adam import LeafState as LeafState
 from optax_sparse_adam._core.coalesce import coalesce_rows as coalesce_rows
+from optax_sparse_adam._core.lookup import sharded_lookup as sharded_lookup
+from optax_sparse_adam._core.routed import sharded_routing as sharded_routing
 from optax_sparse_adam._optax.apply import apply_updates as apply_updates
 from optax_sparse_adam._optax.catch_up import catch_up_all_rows as catch_up_all_rows
 from optax_sparse_adam._optax.catch_up import catch_up_rows as catch_up_rows
@@ -46,6 +48,8 @@ __all__ = (
   "coalesce_rows",
   "cpu_kernels_available",
   "lift_to_bcoo",
+  "sharded_lookup",
+  "sharded_routing",
   "sparse_adam",
   "sparse_adam_leaf_step",
   "sparse_adamw",

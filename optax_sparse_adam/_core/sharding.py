@@ -64,10 +64,11 @@ def on_one_cpu_device(arrays: Any) -> bool:
 
   True in a process with one CPU device. With several (e.g.
   `--xla_force_host_platform_device_count`), a concrete array says so by its
-  sharding; a traced one only when its type names a mesh of one device: an
-  argument passed sharded over several devices has its mesh in its type, but
-  an empty mesh is not proof (`jax.jit(..., in_shardings=...)` leaves it out),
-  so such a value counts as possibly sharded.
+  sharding; a traced one only when its type names a mesh of one device, or a
+  mesh whose axes are all `Manual` (inside `jax.shard_map`, where a value is
+  one device's shard): an argument passed sharded over several devices has its
+  mesh in its type, but an empty mesh is not proof (`jax.jit(...,
+  in_shardings=...)` leaves it out), so such a value counts as possibly sharded.
   """
   try:
     num_cpu_devices = len(jax.devices("cpu"))
@@ -79,13 +80,21 @@ def on_one_cpu_device(arrays: Any) -> bool:
     if isinstance(array, jax.core.Tracer):
       typeof = getattr(jax, "typeof", None)
       mesh = getattr(getattr(typeof(array), "sharding", None), "mesh", None) if typeof else None
-      if mesh is None or mesh.empty or mesh.size != 1:
+      if mesh is None or mesh.empty:
+        return False
+      if mesh.size != 1 and not _all_manual(mesh):
         return False
     else:
       sharding = getattr(array, "sharding", None)
       if sharding is None or len(sharding.device_set) != 1:
         return False
   return True
+
+
+def _all_manual(mesh: Any) -> bool:
+  manual = getattr(jax.sharding.AxisType, "Manual", None)
+  axis_types = getattr(mesh, "axis_types", ())
+  return manual is not None and bool(axis_types) and all(t == manual for t in axis_types)
 
 
 def replicated_like(*arrays: Any) -> NamedSharding | None:

@@ -26,7 +26,7 @@ import optax
 from jax import lax
 from jax.experimental import sparse
 
-from optax_sparse_adam._core import bcoo, coalesce
+from optax_sparse_adam._core import bcoo, coalesce, sharding
 from optax_sparse_adam._core.errors import (
   describe,
   flatten_grads,
@@ -235,14 +235,25 @@ def empty_updates_like(shapes: Any) -> Any:
       leading = s.shape[s.n_batch] + jnp.arange(nse, dtype=s.indices.dtype)
       indices = jnp.zeros(s.indices.shape, s.indices.dtype).at[..., 0].set(leading)
       return sparse.BCOO(
-        (jnp.zeros(s.data.shape, s.data.dtype), indices),
+        (
+          _typed_like(jnp.zeros(s.data.shape, s.data.dtype), s.data),
+          _typed_like(indices, s.indices),
+        ),
         shape=s.shape,
         indices_sorted=s.indices_sorted,
         unique_indices=s.unique_indices,
       )
-    return jnp.zeros(s.shape, s.dtype)
+    return _typed_like(jnp.zeros(s.shape, s.dtype), s)
 
   return jax.tree.map(empty, shapes, is_leaf=is_grad_leaf)
+
+
+def _typed_like(x: jax.Array, shape: Any) -> jax.Array:
+  """`x` with the sharding in `shape`'s type under `Explicit` axes (a routed update is split)."""
+  spec = getattr(getattr(shape, "sharding", None), "spec", None)
+  if spec is None or not sharding.explicit_axes():
+    return x
+  return jax.sharding.reshard(x, spec)
 
 
 def _all_finite(updates: Any, params: Any, who: str) -> jax.Array:

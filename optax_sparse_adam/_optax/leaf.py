@@ -20,7 +20,7 @@ from jax.experimental import sparse
 from jax.sharding import PartitionSpec
 
 from optax_sparse_adam._backends import dispatch
-from optax_sparse_adam._core import adam, bcoo, sharding
+from optax_sparse_adam._core import adam, bcoo, routed, sharding
 from optax_sparse_adam._core.adam import AdamCoefficients, AdamRule, LeafState
 from optax_sparse_adam._core.errors import is_python_number, path_str
 from optax_sparse_adam._core.rules import (
@@ -157,7 +157,9 @@ def masked_leaf_step(
     The `LeafStep`. Only touched rows of the tables change; the step advances
     also when the gradient is empty. The new tables have the sharding of
     `tables`; under a mesh with `Explicit` axes the update is replicated (it
-    holds the gradient's entries, not the table's).
+    holds the gradient's entries, not the table's). A routed step (a
+    row-sharded table, `sharded_routing`) returns the update split over the
+    table's axis, each device's rows sorted, padding between.
   """
   param_shape = _param_shape(tables, rule)
   layout = bcoo.row_layout(grad, param_shape, path)
@@ -169,6 +171,20 @@ def masked_leaf_step(
   if config.weight_decay == "none":
     tables = tables._replace(param=None)
   new_step = None if step is None else optax.safe_increment(step)
+  indices_sorted, unique_indices = update_flags
+
+  route = routed.plan_step(grad, tables, plan)
+  if route is not None:  # a row-sharded table: each row's gradient goes to its owner
+    inputs = StepInputs(
+      bcoo.linear_rows(grad.indices, layout), grad.data, tables, new_step, hyper, opaque_zero
+    )
+    result = routed.masked_step(inputs, plan, route=route, local_step=dispatch.masked_step)
+    coalesced = bcoo.CoalescedRows(result.rows, result.delta)
+    # Each device holds its own rows, sorted within its block only.
+    update = bcoo.rows_to_bcoo(
+      coalesced, layout, indices_sorted=False, unique_indices=unique_indices
+    )
+    return LeafStep(update, new_step, result.tables)
 
   def run(grad_data, grad_indices, tables, new_step, hyper, opaque_zero):
     inputs = StepInputs(
@@ -201,7 +217,6 @@ def masked_leaf_step(
       (grad.data, grad.indices, tables, new_step, [leaves[i] for i in traced], opaque_zero),
       ((replicated, replicated), table_specs),
     )
-  indices_sorted, unique_indices = update_flags
   update = sparse.BCOO(
     (data, indices),
     shape=grad.shape,
@@ -259,6 +274,11 @@ def scatter_add_bcoo(param: jax.Array, update: sparse.BCOO, path: Sequence[Any] 
   The result has `param`'s sharding.
   """
   layout = bcoo.row_layout(update, param.shape, path, what="update")
+  route = routed.plan_apply(param, update)
+  if route is not None:  # row-split: each device adds the rows it owns
+    return routed.scatter_add(
+      param, update, layout=layout, plan=route, local_scatter_add=dispatch.scatter_add
+    )
 
   def scatter_add(param, update):
     rows = bcoo.linear_rows(update.indices, layout)

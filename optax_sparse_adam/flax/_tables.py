@@ -33,6 +33,7 @@ from jax import lax
 from jax.custom_derivatives import SymbolicZero
 from jax.extend import core as jax_core
 
+from optax_sparse_adam._core import lookup
 from optax_sparse_adam._core.errors import describe
 
 # nnx.Embed's and nn.Embed's initializer, so the tables are drop-ins.
@@ -251,10 +252,10 @@ def replace_table(old: jax.Array, new: jax.Array) -> None:
 
 
 def _gather(table: jax.Array, ids: jax.Array) -> jax.Array:
-  # Negative ids are padding (zero rows), not Python-style wrap-around.
-  num_rows = table.shape[0]
-  ids = jnp.where(ids < 0, num_rows, ids)
-  return table.at[ids].get(mode="fill", fill_value=0)
+  # Negative ids are padding (zero rows), not Python-style wrap-around. A table
+  # split by rows over the axis the ids are split over is read routed: ids to
+  # the rows' owners, rows back (docs/sharding.md).
+  return lookup.lookup_or_zeros(table, ids)
 
 
 def embedding_lookup(table: Any, ids: Any) -> jax.Array:

@@ -170,3 +170,6 @@ def test_two_processes_with_jax_distributed_match_one_device():
     assert report["moments_spec"] == "P('x', None)"
     for name, diff in report["max_abs_diff"].items():
       assert diff <= ATOL, (name, diff)
+    # The same training routed (Explicit axes): rows' gradients sent to their owners.
+    for name, diff in report["routed_max_abs_diff"].items():
+      assert diff <= ATOL, (name, diff)

@@ -1,0 +1,427 @@
+"""The routed step and apply of a row-sharded table: each gradient row goes to its row's owner.
+
+Under `jax.jit`, XLA's partitioner runs a row-sharded table's step by sending
+every device every other device's gradient entries (all-reduces of `[N * B, D]`
+arrays for `N` devices and a local batch of `B`), so a device's traffic grows
+with `N`. When a table and its moments are split by rows over a mesh axis,
+`P(axis, None)`, and the gradient's entries over the same axis, the step here
+runs in `jax.shard_map` instead, in time and traffic of O(local entries):
+
+  1. each device coalesces its own entries (sums a row's entries, input order);
+  2. one `all_to_all` sends each distinct row's sum to the device owning the row,
+     into a fixed `capacity` of slots per owner (`routing.capacity`);
+  3. the owner runs the backend's rows step on its shard with what it received
+     (the step coalesces again: the senders' sums of a row add in device order).
+
+The update comes back split over the axis, each device holding its own rows,
+so `apply_updates` adds it locally, with no collective but a flag.
+
+A step where some device has more distinct rows for one owner than the
+capacity (heavily skewed ids) takes the overflow path, decided on every device
+alike: all devices' entries are all-gathered, each owner sums its rows' entries
+in global input order (as one device does) and steps them in rounds of as many
+distinct rows as the update has slots, and the owners' rows are spread over the
+update's slots (`routing.spread_rows`); `apply_updates` then sees rows on
+devices that do not own them and all-gathers the update. Nothing is dropped;
+such a step costs what the partitioned step costs.
+
+The tables ride a `while_loop` (one round unless the step overflows), not a
+`cond`: XLA updates a loop's carry in place, but copies a table that a cond's
+branch both reads and writes.
+
+Routing is chosen when the arrays' shardings are known at trace time: concrete
+arrays, and arrays typed on a mesh with `Explicit` axes. Under `Auto` axes a
+traced array's type does not say how XLA will split it;
+`sharded_routing(auto_axis=...)` declares the axis, and
+`sharded_routing(False)` turns routing off.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import sparse
+from jax.sharding import NamedSharding, PartitionSpec
+
+from optax_sparse_adam._core import bcoo, coalesce, routing, sharding
+from optax_sparse_adam._core.rules import RowsStep, StepInputs, StepPlan, Tables
+
+# Names the overflow path's ops in the compiled program (benchmarks and tests
+# tell its collectives from those of the routed path by it).
+OVERFLOW_SCOPE = "routed_overflow"
+
+
+class Routing(NamedTuple):
+  """The routing switches in force while a step is traced (part of JAX's cache keys).
+
+  Attributes:
+    enabled: route row-sharded tables' steps and applies where the layout allows.
+    capacity_factor: slots per owner, as a multiple of the even share
+      `local entries / devices` (`routing.capacity`); larger means fewer
+      overflowing steps and more bytes per step.
+    auto_axis: under `Auto` mesh axes, the axis over which traced tables and
+      gradient entries are taken to be split by rows; None routes only what
+      types or concrete shardings show.
+  """
+
+  enabled: bool = True
+  capacity_factor: float = 2.0
+  auto_axis: str | None = None
+
+
+_CONTEXT = jax.make_user_context(Routing())
+
+
+def current() -> Routing:
+  """The routing switches in force now."""
+  return _CONTEXT.value
+
+
+@contextlib.contextmanager
+def choose(**changes: Any) -> Iterator[None]:
+  """Within this block, steps traced use `current()` with `changes` (fields of `Routing`)."""
+  choice = current()._replace(**changes)
+  if not choice.capacity_factor >= 1:
+    raise ValueError(f"capacity_factor={choice.capacity_factor!r}; expected a number >= 1")
+  with _CONTEXT(choice):
+    yield
+
+
+def sharded_routing(
+  enabled: bool = True, *, capacity_factor: float = 2.0, auto_axis: str | None = None
+) -> contextlib.AbstractContextManager[None]:
+  """Within this block, steps traced route (or not) the gradients of row-sharded tables.
+
+  A table split by rows over a mesh axis, `P(axis, None)`, with its moments
+  (as `init` makes them), and a BCOO gradient whose entries are split over the
+  same axis (ids sharded `P(axis)`, as a data-parallel batch) are stepped
+  *routed* by default: each device sums its own entries per row, one
+  `all_to_all` sends each row's sum to the device that owns the row, and the
+  owner steps its rows; `apply_updates` then adds each device's rows locally.
+  A device sends and receives `capacity_factor` times its local entries, and
+  computes on as many rows, whatever the number of devices (docs/sharding.md).
+
+  Routing is chosen at trace time from what is known there: the sharding of
+  concrete arrays, and the types of values traced under a mesh with
+  `Explicit` axes. Under `Auto` axes a traced value's type does not say how it
+  is split, so name the axis with `auto_axis`: tables and entries on a mesh
+  with that axis are then taken to be split by rows over it (a table split
+  otherwise is resharded, at the cost of moving it).
+
+  A step in which some device holds more distinct rows for one owner than its
+  capacity (`capacity_factor` times its even share) is not dropped: it
+  all-gathers every device's entries and matches one device bit for bit, at
+  the cost of the unrouted step. The setting is part of the key of JAX's trace
+  and compilation caches.
+
+  Args:
+    enabled: route where the layout allows; False leaves every step to XLA's
+      partitioner, as without this feature.
+    capacity_factor: slots per owner as a multiple of the even share of a
+      device's entries, at least 1. Larger: fewer overflowing steps, more bytes.
+    auto_axis: the mesh axis of row-split tables under `Auto` axes, or None.
+
+  Returns:
+    A context manager.
+
+  Example:
+    >>> import optax_sparse_adam as osa
+    >>> with osa.sharded_routing(capacity_factor=4.0):
+    ...   pass  # steps traced here route with 4x the even share per owner
+  """
+  return choose(enabled=enabled, capacity_factor=capacity_factor, auto_axis=auto_axis)
+
+
+class Plan(NamedTuple):
+  """How a leaf is routed: the mesh axis, its mesh and size, and the slots per owner."""
+
+  axis: str
+  mesh: Any
+  num_shards: int
+  capacity: int
+
+
+def plan_step(grad: sparse.BCOO, tables: Tables, plan: StepPlan) -> Plan | None:
+  """The `Plan` of a step, or None where the layout does not allow routing.
+
+  Args:
+    grad: the BCOO gradient (entries split over the axis, `n_sparse == 1`).
+    tables: the rule's slots, the per-row arrays and the parameter (where weight
+      decay reads it), all to be split by rows like the table.
+    plan: the step's plan. Stochastic rounding keys its bits on the global row,
+      which a shard does not see: such a step is left to XLA's partitioner.
+  """
+  if plan.config.moment_rounding != "nearest":
+    return None
+  arrays = [*tables.slots.values(), tables.row_step, tables.last_step, tables.param]
+  found = _plan(grad, [a for a in arrays if a is not None])
+  if found is None:
+    return None
+  axis, mesh, num_shards = found
+  local = grad.nse // num_shards
+  capacity = routing.capacity(local, num_shards, current().capacity_factor)
+  if not routing.int32_fits(grad.shape[0], num_shards * num_shards * capacity):
+    return None
+  return Plan(axis, mesh, num_shards, capacity)
+
+
+def plan_apply(param: jax.Array, update: sparse.BCOO) -> Plan | None:
+  """The `Plan` of `param + update`, or None where it is not routed."""
+  found = _plan(update, [param])
+  return None if found is None else Plan(*found, capacity=0)
+
+
+def masked_step(
+  inputs: StepInputs,
+  plan: StepPlan,
+  *,
+  route: Plan,
+  local_step: Callable[[StepInputs, StepPlan], RowsStep],
+) -> RowsStep:
+  """The routed masked step: `local_step` (the backend's) runs on each owner's shard.
+
+  Args:
+    inputs: as for `_backends.dispatch.masked_step`, global arrays split over
+      `route.axis` (the step count, hyper-parameters and rounding zero
+      replicated).
+    plan: the step's plan, for the whole table.
+    route: from `plan_step`.
+    local_step: the backend's masked step, called on one shard.
+
+  Returns:
+    The `RowsStep`: `route.num_shards * route.capacity` slots per device, each
+    device holding rows it owns (ascending) then padding, except after an
+    overflowing step (see the module docstring); the new tables, split as given.
+  """
+  axis, num_shards, capacity = route.axis, route.num_shards, route.capacity
+  layout = plan.layout
+  rows, values, tables = inputs.rows, inputs.values, inputs.tables
+  num_rows = layout.num_rows
+  rows_per_shard = num_rows // num_shards
+  local_entries = rows.shape[0] // num_shards
+  slots = num_shards * capacity  # the update's slots per device
+  local_plan = plan._replace(layout=bcoo.RowLayout((rows_per_shard,), layout.dense_shape))
+  # What a shard's step reads and writes, split by rows (the parameter is read only).
+  carried_tables = tables._replace(param=None)
+  # Hyper-parameters that are arrays cross into the shard_map as arguments;
+  # Python floats stay closed over: constants, exact until used, as unrouted.
+  leaves, treedef = jax.tree.flatten(inputs.hyper)
+  traced = [i for i, leaf in enumerate(leaves) if isinstance(leaf, jax.Array)]
+  replicated_inputs = (inputs.step, [leaves[i] for i in traced], inputs.opaque_zero)
+
+  def owner_step(local_rows, local_values, carried, param, replicated):
+    step, arrays, opaque_zero = replicated
+    full = list(leaves)
+    for i, array in zip(traced, arrays, strict=True):
+      full[i] = array
+    hyper = jax.tree.unflatten(treedef, full)
+    result = local_step(
+      StepInputs(local_rows, local_values, carried._replace(param=param), step, hyper, opaque_zero),
+      local_plan,
+    )
+    return result.rows, result.delta, result.tables
+
+  def body(rows, values, carried, param, replicated):
+    shard = lax.axis_index(axis)
+    coalesced = coalesce.coalesce_rows(rows, values, num_rows)
+    buckets = routing.bucket_by_owner(
+      coalesced, num_rows=num_rows, num_shards=num_shards, capacity=capacity
+    )
+
+    def routed_input(round_index):
+      got_rows, got_values = routing.exchange(buckets.rows, buckets.values, axis, max_row=num_rows)
+      return routing.to_local(got_rows, shard, rows_per_shard), got_values, jnp.int32(1), 0
+
+    if capacity >= local_entries:  # no device can fill a bucket: no overflow path
+      local, got_values, _, _ = routed_input(0)
+      unique_rows, delta, carried = owner_step(local, got_values, carried, param, replicated)
+      ids = routing.owned_ids(unique_rows, shard, rows_per_shard)
+      return routing.decode_rows(ids, shard, num_rows), delta, carried
+
+    @jax.named_scope(OVERFLOW_SCOPE)
+    def gathered_input(round_index):
+      # All entries of the owner's rows, summed in global input order (as one
+      # device sums them), stepped `slots` distinct rows per round.
+      all_rows, all_values = routing.gather_all(rows, values, axis, max_row=num_rows)
+      local = routing.to_local(all_rows, shard, rows_per_shard)
+      owned = coalesce.coalesce_rows(local, all_values, rows_per_shard)
+      count = jnp.sum(owned.rows < rows_per_shard, dtype=jnp.int32)
+      rounds = lax.pmax(-(-count // slots), axis)
+      counts = lax.all_gather(count, axis)
+      first_slot = jnp.sum(jnp.where(jnp.arange(num_shards) < shard, counts, 0))
+      chunk_rows = routing.chunk(owned.rows, round_index, slots, rows_per_shard)
+      chunk_values = routing.chunk(owned.values, round_index, slots, 0)
+      return jnp.minimum(chunk_rows, rows_per_shard), chunk_values, rounds, first_slot
+
+    # Every device takes the same branches: the collectives inside must match.
+    overflow = lax.pmax(buckets.overflow.astype(jnp.int32), axis) > 0
+
+    def one_round(loop):
+      round_index, _, carried, ids, delta = loop
+      local, got_values, rounds, first_slot = lax.cond(
+        overflow, gathered_input, routed_input, round_index
+      )
+      unique_rows, round_delta, carried = owner_step(local, got_values, carried, param, replicated)
+
+      @jax.named_scope(OVERFLOW_SCOPE)
+      def spread(_):
+        owned = unique_rows < rows_per_shard
+        global_rows = jnp.where(owned, unique_rows + shard * rows_per_shard, num_rows)
+        return routing.spread_rows(
+          global_rows,
+          round_delta,
+          first_slot + round_index * slots,
+          axis=axis,
+          slots=slots,
+          num_rows=num_rows,
+        )
+
+      def own(_):
+        return routing.owned_ids(unique_rows, shard, rows_per_shard), round_delta
+
+      round_ids, round_delta = lax.cond(overflow, spread, own, None)
+      landed = round_ids > 0
+      ids = jnp.where(landed, round_ids, ids)
+      delta = jnp.where(routing.expand(landed, delta.ndim), round_delta, delta)
+      return round_index + 1, rounds, carried, ids, delta
+
+    # The tables travel in a loop, not through a cond: XLA updates a loop's
+    # carry in place, but copies a table that a cond's branch reads and writes.
+    delta = jnp.zeros((slots,) + values.shape[1:], values.dtype)
+    loop = (jnp.int32(0), jnp.int32(1), carried, jnp.zeros((slots,), jnp.int32), delta)
+    _, _, carried, ids, delta = lax.while_loop(lambda loop: loop[0] < loop[1], one_round, loop)
+    return routing.decode_rows(ids, shard, num_rows), delta, carried
+
+  def row_specs(tree: Any) -> Any:
+    return jax.tree.map(lambda x: _row_spec(axis, x.ndim), tree)
+
+  replicated_specs = jax.tree.map(lambda _: PartitionSpec(), replicated_inputs)
+  new_rows, delta, new_tables = jax.shard_map(
+    body,
+    mesh=route.mesh,
+    in_specs=(
+      PartitionSpec(axis),
+      _row_spec(axis, values.ndim),
+      row_specs(carried_tables),
+      None if tables.param is None else row_specs(tables.param),
+      replicated_specs,
+    ),
+    out_specs=(
+      PartitionSpec(axis),
+      _row_spec(axis, values.ndim),
+      row_specs(carried_tables),
+    ),
+    check_vma=False,
+  )(rows, values, carried_tables, tables.param, replicated_inputs)
+  return RowsStep(new_rows, delta, new_tables)
+
+
+def scatter_add(
+  param: jax.Array,
+  update: sparse.BCOO,
+  *,
+  layout: bcoo.RowLayout,
+  plan: Plan,
+  local_scatter_add: Callable[..., jax.Array],
+) -> jax.Array:
+  """`param + update` on each owner's shard, for a row-split `param` and update.
+
+  A device adds the entries it holds that it owns. Entries held by a device that
+  does not own their row (any update but the routed step's, or one after an
+  overflowing step) make every device all-gather the update first, so each
+  entry is added once, by its owner.
+  """
+  axis, num_shards = plan.axis, plan.num_shards
+  num_rows = layout.num_rows
+  rows_per_shard = num_rows // num_shards
+  local_layout = bcoo.RowLayout((rows_per_shard,), layout.dense_shape)
+  unique = bool(update.unique_indices)
+
+  def add(param, rows, values):
+    # Distinct padding keeps the promise of unique rows.
+    padded = jnp.where(
+      rows < rows_per_shard, rows, rows_per_shard + jnp.arange(rows.shape[0], dtype=jnp.int32)
+    )
+    return local_scatter_add(
+      param, padded, values, layout=local_layout, rows_unique=unique, rows_sorted=False
+    )
+
+  def body(param, rows, values):
+    shard = lax.axis_index(axis)
+    local = routing.to_local(rows, shard, rows_per_shard)
+    foreign = jnp.any((rows < num_rows) & (local == rows_per_shard))
+    foreign = lax.pmax(foreign.astype(jnp.int32), axis) > 0
+
+    @jax.named_scope(OVERFLOW_SCOPE)
+    def gathered(param):
+      all_rows, all_values = routing.gather_all(rows, values, axis, max_row=num_rows)
+      return add(param, routing.to_local(all_rows, shard, rows_per_shard), all_values)
+
+    return lax.cond(foreign, gathered, lambda p: add(p, local, values), param)
+
+  rows = bcoo.linear_rows(update.indices, layout)
+  table_spec = _row_spec(axis, param.ndim)
+  return jax.shard_map(
+    body,
+    mesh=plan.mesh,
+    in_specs=(table_spec, PartitionSpec(axis), _row_spec(axis, update.data.ndim)),
+    out_specs=table_spec,
+    check_vma=False,
+  )(param, rows, update.data)
+
+
+def _row_spec(axis: str, ndim: int) -> PartitionSpec:
+  return PartitionSpec(axis, *([None] * (ndim - 1)))
+
+
+def _plan(entries: sparse.BCOO, tables: list[jax.Array]) -> tuple[str, Any, int] | None:
+  """`(axis, mesh, size)` when `entries` and every table are split by rows over one axis."""
+  choice = current()
+  if not choice.enabled or entries.n_sparse != 1 or entries.n_batch != 0 or entries.nse == 0:
+    return None
+  found = {split_rows(x, choice.auto_axis) for x in (entries.data, entries.indices, *tables)}
+  if len(found) != 1 or None in found:
+    return None
+  ((axis, mesh),) = found  # type: ignore[misc]  # None was ruled out above
+  num_shards = mesh.shape[axis]
+  if num_shards < 2 or entries.shape[0] % num_shards or entries.nse % num_shards:
+    return None
+  return axis, mesh, num_shards
+
+
+def split_rows(x: Any, auto_axis: str | None) -> tuple[str, Any] | None:
+  """`(axis, mesh)` when `x` is known to be split on dim 0 over `axis` alone, else None.
+
+  Known from a concrete array's `NamedSharding`, from the type of a value traced
+  under `Explicit` axes, or, under `Auto` axes, from `auto_axis` (when `x`'s
+  mesh has that axis).
+  """
+  if x.ndim == 0:
+    return None
+  if isinstance(x, jax.core.Tracer):
+    typed = getattr(jax.typeof(x), "sharding", None)
+    mesh = getattr(typed, "mesh", None)
+    if mesh is None or mesh.empty:
+      return None
+    if not getattr(mesh, "explicit_axes", ()):
+      if auto_axis is None or auto_axis not in getattr(mesh, "auto_axes", ()):
+        return None  # no axis named, or inside a shard_map over it already
+      return auto_axis, mesh
+    spec = sharding.spec_of(x)
+  else:
+    named = getattr(x, "sharding", None)
+    if not isinstance(named, NamedSharding):
+      return None
+    mesh, spec = named.mesh, named.spec
+  entries = tuple(spec) + (None,) * (x.ndim - len(spec))
+  first = entries[0]
+  if isinstance(first, tuple):
+    first = first[0] if len(first) == 1 else None
+  if not isinstance(first, str) or any(e is not None for e in entries[1:]):
+    return None
+  return first, mesh

@@ -1,0 +1,339 @@
+"""The routed step of row-sharded tables on 8 forced CPU devices, against one device, as JSON.
+
+Run by tests/core/test_routed.py in a subprocess (the device count is fixed when
+JAX starts). Each run trains a row-sharded table a few jitted, donated steps
+(`update` + `apply_updates`) and the same on one device, and reports the largest
+differences, whether the step was routed (an all-to-all in the compiled step),
+and the collectives outside the overflow path.
+
+  python tests/core/_routed_checks.py   # prints one JSON object
+"""
+
+import os
+
+os.environ["XLA_FLAGS"] = (
+  os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+).strip()
+os.environ["JAX_PLATFORMS"] = "cpu"
+
+import contextlib  # noqa: E402
+import json  # noqa: E402
+import re  # noqa: E402
+import sys  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.experimental import sparse  # noqa: E402
+from jax.sharding import AxisType, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import optax_sparse_adam as osa  # noqa: E402
+from optax_sparse_adam._core import lookup, routed  # noqa: E402
+
+NUM_DEVICES = 8
+NUM_ROWS, DIM, BATCH, STEPS = 4096, 8, 256, 3
+LOCAL = BATCH // NUM_DEVICES
+ROWS_PER_SHARD = NUM_ROWS // NUM_DEVICES
+COLLECTIVE = re.compile(
+  r"=\s*(?P<type>.*?)\s+(?P<op>all-gather|all-reduce|all-to-all|reduce-scatter|"
+  r"collective-permute)(?:-start)?\("
+)
+ARRAY_TYPE = re.compile(r"[a-z]+\d*\[([\d,]*)\]")
+
+
+def ids_of(kind, rng):
+  """One global batch of ids of a given distribution (device d holds [d*LOCAL, (d+1)*LOCAL))."""
+  if kind == "uniform":
+    return rng.integers(0, NUM_ROWS, BATCH)
+  if kind == "zipf":
+    popularity = 1.0 / np.arange(1, NUM_ROWS + 1) ** 1.1
+    return rng.choice(NUM_ROWS, BATCH, p=popularity / popularity.sum())
+  if kind == "one_owner":  # worst skew: every id of every device belongs to shard 3
+    return rng.integers(3 * ROWS_PER_SHARD, 4 * ROWS_PER_SHARD, BATCH)
+  if kind == "spread_to_all":  # each device sends its entries to every owner evenly
+    return (np.arange(BATCH) % NUM_DEVICES) * ROWS_PER_SHARD + rng.integers(0, 4, BATCH)
+  if kind == "cross_device_duplicates":  # 12 rows, each on many devices
+    return rng.choice(NUM_ROWS, 12, replace=False)[rng.integers(0, 12, BATCH)]
+  if kind == "empty_local_batches":  # devices 0-3 hold only out-of-range (padding) ids
+    ids = rng.integers(0, NUM_ROWS, BATCH)
+    ids[: 4 * LOCAL] = NUM_ROWS + rng.integers(0, 5, 4 * LOCAL)
+    return ids
+  if kind == "out_of_range":
+    return rng.integers(-40, NUM_ROWS + 40, BATCH)
+  raise ValueError(kind)
+
+
+OPTIMIZERS = {
+  "plain": lambda: osa.sparse_adam(1e-2),
+  "amsgrad": lambda: osa.sparse_adam(1e-2, amsgrad=True),
+  "l2_weight_decay": lambda: osa.sparse_adam(1e-2, weight_decay=0.1),
+  "adamw": lambda: osa.sparse_adamw(1e-2, weight_decay=0.1),
+  "per_row_bias_correction": lambda: osa.sparse_adam(1e-2, per_row_bias_correction=True),
+  "maximize": lambda: osa.sparse_adam(1e-2, maximize=True),
+  "all_options": lambda: osa.sparse_adamw(
+    1e-2, weight_decay=0.1, amsgrad=True, per_row_bias_correction=True, maximize=True
+  ),
+  "bf16": lambda: osa.sparse_adam(1e-2),
+  # A lax.cond whose rejecting branch must build the routed update's type.
+  "apply_if_finite": lambda: osa.sparse_apply_if_finite(osa.sparse_adam(1e-2), 3),
+}
+
+
+def collectives(hlo_text):
+  """(op, element count of its results, whether in the overflow path) per collective."""
+  found = []
+  for line in hlo_text.splitlines():
+    match = COLLECTIVE.search(line)
+    if match is None:
+      continue
+    sizes = [
+      int(np.prod([int(d) for d in dims.split(",") if d])) if dims else 1
+      for dims in ARRAY_TYPE.findall(match["type"])
+    ]
+    found.append((match["op"], sum(sizes), routed.OVERFLOW_SCOPE in line))
+  return found
+
+
+def train(opt_name, kind, *, mesh=None, batch_axis="x", batch=BATCH, seed=0):
+  rng = np.random.default_rng(seed)
+  dtype = jnp.bfloat16 if opt_name == "bf16" else jnp.float32
+  table0 = rng.normal(size=(NUM_ROWS, DIM)).astype(np.float32)
+  batches = [
+    (ids_of(kind, rng).astype(np.int32)[:batch], rng.normal(size=(batch, DIM)).astype(np.float32))
+    for _ in range(STEPS)
+  ]
+  opt = OPTIMIZERS[opt_name]()
+  if mesh is None:
+    device = jax.devices()[0]
+    put_table = put_ids = put_rows = lambda x: jax.device_put(x, device)  # noqa: E731
+  else:
+    put_table = lambda x: jax.device_put(x, NamedSharding(mesh, P("x", None)))  # noqa: E731
+    put_ids = lambda x: jax.device_put(x, NamedSharding(mesh, P(batch_axis)))  # noqa: E731
+    put_rows = lambda x: jax.device_put(x, NamedSharding(mesh, P(batch_axis, None)))  # noqa: E731
+
+  def step(table, state, ids, grad_rows):
+    grad = sparse.BCOO((grad_rows, ids[:, None]), shape=table.shape)
+    updates, state = opt.update({"table": grad}, state, {"table": table})
+    return osa.apply_updates({"table": table}, updates)["table"], state
+
+  table = put_table(jnp.asarray(table0, dtype))
+  state = opt.init({"table": table})
+  jitted = jax.jit(step, donate_argnums=(0, 1))
+  for ids, rows in batches:
+    table, state = jitted(table, state, put_ids(ids), put_rows(jnp.asarray(rows, dtype)))
+  ids, rows = batches[0]
+  hlo = jitted.lower(table, state, put_ids(ids), put_rows(jnp.asarray(rows, dtype)))
+  state = getattr(state, "inner_state", state)
+  arrays = {"table": table, "mu": state.mu["table"], "nu": state.nu["table"]}
+  if state.nu_max is not None:
+    arrays["nu_max"] = state.nu_max["table"]
+  if state.row_step is not None:
+    arrays["row_step"] = state.row_step["table"]
+  return {
+    "arrays": {k: np.asarray(v.astype(jnp.float32)) for k, v in arrays.items()},
+    "specs": {k: str(getattr(v.sharding, "spec", None)) for k, v in arrays.items()},
+    "collectives": collectives(hlo.compile().as_text()),
+    "compilations": jitted._cache_size(),
+  }
+
+
+def compare(run, reference):
+  """Per array: the largest difference, absolute and relative to the largest value."""
+  diffs = {}
+  for name, a in run.pop("arrays").items():
+    ref = reference["arrays"][name].astype(np.float64)
+    diff = float(np.max(np.abs(a.astype(np.float64) - ref)))
+    diffs[name] = (diff, diff / max(float(np.max(np.abs(ref))), 1e-30))
+  return diffs
+
+
+def apply_foreign_update(mesh):
+  """`apply_updates` of a BCOO split over the axis whose rows belong to other devices."""
+  rng = np.random.default_rng(1)
+  table = rng.normal(size=(NUM_ROWS, DIM)).astype(np.float32)
+  rows = rng.integers(-3, NUM_ROWS + 3, BATCH).astype(np.int32)
+  values = rng.normal(size=(BATCH, DIM)).astype(np.float32)
+  expected = table.copy()
+  for row, value in zip(rows, values, strict=True):
+    if 0 <= row < NUM_ROWS:
+      expected[row] += value
+  with jax.set_mesh(mesh):
+    put = lambda x, spec: jax.device_put(x, NamedSharding(mesh, spec))  # noqa: E731
+    update = sparse.BCOO(
+      (put(values, P("x", None)), put(rows[:, None], P("x", None))), shape=table.shape
+    )
+    out = jax.jit(osa.apply_updates)({"t": put(table, P("x", None))}, {"t": update})["t"]
+    hlo = jax.jit(osa.apply_updates).lower({"t": put(table, P("x", None))}, {"t": update})
+    return {
+      "max_abs_diff": float(np.max(np.abs(np.asarray(out) - expected))),
+      "spec": str(out.sharding.spec),
+      "collectives": collectives(hlo.compile().as_text()),
+    }
+
+
+def lookups():
+  """`osa.sharded_lookup` against `table[ids]` on one device, for skewed and bad ids."""
+  rng = np.random.default_rng(2)
+  table = rng.normal(size=(NUM_ROWS, DIM)).astype(np.float32)
+  kinds = {
+    "uniform": rng.integers(0, NUM_ROWS, BATCH),
+    "one_owner": ids_of("one_owner", rng),
+    "out_of_range_and_negative": rng.integers(-NUM_ROWS - 40, NUM_ROWS + 40, BATCH),
+  }
+  results = {}
+  for mode in ("explicit", "auto"):
+    axis_type = AxisType.Explicit if mode == "explicit" else AxisType.Auto
+    mesh = jax.make_mesh((NUM_DEVICES,), ("x",), axis_types=(axis_type,))
+    for kind, ids in kinds.items():
+      ids = ids.astype(np.int32)
+      expected = np.asarray(jnp.asarray(table)[jnp.asarray(ids)])
+      with (
+        jax.set_mesh(mesh) if mode == "explicit" else contextlib.nullcontext(),
+        osa.sharded_routing(auto_axis="x" if mode == "auto" else None),
+      ):
+        args = (
+          jax.device_put(table, NamedSharding(mesh, P("x", None))),
+          jax.device_put(ids, NamedSharding(mesh, P("x"))),
+        )
+        lookup = jax.jit(osa.sharded_lookup)
+        rows = lookup(*args)
+        hlo = lookup.lower(*args).compile().as_text()
+      results[f"{mode}/{kind}"] = {
+        "max_abs_diff": float(np.max(np.abs(np.asarray(rows) - expected))),
+        "spec": str(rows.sharding.spec),
+        "collectives": collectives(hlo),
+      }
+  return results
+
+
+def flax_nnx():
+  """A Flax NNX model's table, row-sharded, trained with `SparseOptimizer` (Auto axes and
+  `auto_axis`), against one device; None without flax."""
+  try:
+    import optax
+    from flax import nnx
+  except ImportError:
+    return None
+
+  class Model(nnx.Module):
+    def __init__(self, rngs):
+      self.users = osa.SparseEmbed(NUM_ROWS, DIM, rngs=rngs)
+      self.tower = nnx.Linear(DIM, 1, rngs=rngs)
+
+    def __call__(self, users):
+      return self.tower(self.users(users))[..., 0].sum(-1)
+
+  def loss_fn(model, users, targets):
+    return jnp.mean((model(users) - targets) ** 2)
+
+  rng = np.random.default_rng(3)
+  # Two ids per example, some of them padding (out of range: zero rows, no gradient).
+  batches = [
+    (
+      np.stack([ids_of("cross_device_duplicates", rng), ids_of("out_of_range", rng)], -1),
+      rng.normal(size=BATCH),
+    )
+    for _ in range(STEPS)
+  ]
+
+  def run(mesh):
+    model = Model(nnx.Rngs(0))
+    put = jnp.asarray
+    if mesh is not None:
+      table = model.users.embedding
+      table.set_value(jax.device_put(table.get_value(), NamedSharding(mesh, P("x", None))))
+      put = lambda x: jax.device_put(x, NamedSharding(mesh, P("x", *[None] * (x.ndim - 1))))  # noqa: E731
+    tx = optax.multi_transform(
+      {"sparse": osa.sparse_adam(1e-2), "dense": optax.adam(1e-2)}, osa.table_labels(model)
+    )
+    optimizer = osa.SparseOptimizer(model, tx, wrt=nnx.Param)
+
+    @nnx.jit
+    def step(model, optimizer, users, targets):
+      loss, grads = osa.sparse_value_and_grad(loss_fn)(model, users, targets)
+      optimizer.update(model, grads)
+      return loss
+
+    for users, targets in batches:
+      args = (put(users.astype(np.int32)), put(targets.astype(np.float32)))
+      step(model, optimizer, *args)
+    hlo = step.lower(model, optimizer, *args).compile().as_text()
+    return np.asarray(model.users.embedding.get_value()), hlo
+
+  reference, _ = run(None)
+  traced = []
+  rows_step, scatter_add = routed.rows_step, routed.scatter_add
+  routed_lookup = lookup._routed_lookup
+  routed.rows_step = lambda *a, **k: traced.append("step") or rows_step(*a, **k)
+  routed.scatter_add = lambda *a, **k: traced.append("apply") or scatter_add(*a, **k)
+  lookup._routed_lookup = lambda *a, **k: traced.append("lookup") or routed_lookup(*a, **k)
+  try:
+    mesh = jax.make_mesh((NUM_DEVICES,), ("x",), axis_types=(AxisType.Auto,))
+    with osa.sharded_routing(auto_axis="x"):
+      table, hlo = run(mesh)
+  finally:
+    routed.rows_step, routed.scatter_add = rows_step, scatter_add
+    lookup._routed_lookup = routed_lookup
+  return {
+    "max_abs_diff": float(np.max(np.abs(table - reference))),
+    "routed": sorted(set(traced)),
+    "collectives": collectives(hlo),
+  }
+
+
+def main():
+  assert jax.device_count() == NUM_DEVICES, jax.devices()
+  results = {"runs": {}, "local": LOCAL, "dim": DIM}
+  kinds = (
+    "uniform", "zipf", "one_owner", "spread_to_all", "cross_device_duplicates",
+    "empty_local_batches", "out_of_range",
+  )  # fmt: skip
+  # (optimizer, ids, mesh mode, capacity factor): the skewed batches also with a
+  # capacity factor of 1, where more steps overflow.
+  cases = [("plain", kind, "explicit", 2.0) for kind in kinds]
+  cases += [("plain", kind, "explicit", 1.0) for kind in ("one_owner", "zipf", "spread_to_all")]
+  cases += [("plain", kind, "auto", 2.0) for kind in ("uniform", "one_owner")]
+  options = [name for name in OPTIMIZERS if name != "plain"]
+  cases += [(name, "cross_device_duplicates", "explicit", 2.0) for name in options]
+  cases += [("all_options", "one_owner", "explicit", 2.0), ("all_options", "zipf", "auto", 1.0)]
+  references = {}
+  for opt_name, kind, mode, capacity_factor in cases:
+    if (opt_name, kind) not in references:
+      references[opt_name, kind] = train(opt_name, kind)
+    axis_type = AxisType.Explicit if mode == "explicit" else AxisType.Auto
+    mesh = jax.make_mesh((NUM_DEVICES,), ("x",), axis_types=(axis_type,))
+    auto_axis = "x" if mode == "auto" else None
+    with (
+      jax.set_mesh(mesh) if mode == "explicit" else contextlib.nullcontext(),
+      osa.sharded_routing(capacity_factor=capacity_factor, auto_axis=auto_axis),
+    ):
+      run = train(opt_name, kind, mesh=mesh)
+    run["max_abs_diff"] = compare(run, references[opt_name, kind])
+    results["runs"][f"{mode}/{opt_name}/{kind}/cf{capacity_factor:g}"] = run
+  # A mesh of two axes: rows over "x" (4 devices), the batch over "x" (routed,
+  # each "y" pair computing the same) or over "y" (not routed: XLA partitions it).
+  two_axes = jax.make_mesh((4, 2), ("x", "y"), axis_types=(AxisType.Explicit,) * 2)
+  for batch_axis in ("x", "y"):
+    with jax.set_mesh(two_axes):
+      run = train("all_options", "cross_device_duplicates", mesh=two_axes, batch_axis=batch_axis)
+    run["max_abs_diff"] = compare(run, references["all_options", "cross_device_duplicates"])
+    results["runs"][f"two_axes/batch_over_{batch_axis}"] = run
+  # Auto axes with auto_axis="x": a batch of 250 ids (not a multiple of 8) is left
+  # to XLA; 256 replicated ids are split over "x" by the routed step itself.
+  auto = jax.make_mesh((NUM_DEVICES,), ("x",), axis_types=(AxisType.Auto,))
+  for batch in (250, 256):
+    reference = train("plain", "cross_device_duplicates", batch=batch)
+    with osa.sharded_routing(auto_axis="x"):
+      run = train("plain", "cross_device_duplicates", mesh=auto, batch_axis=None, batch=batch)
+    run["max_abs_diff"] = compare(run, reference)
+    results["runs"][f"auto/replicated_batch_of_{batch}"] = run
+  explicit = jax.make_mesh((NUM_DEVICES,), ("x",), axis_types=(AxisType.Explicit,))
+  results["lookups"] = lookups()
+  results["flax_nnx"] = flax_nnx()
+  results["apply_foreign"] = apply_foreign_update(explicit)
+  json.dump(results, sys.stdout)
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,277 @@
+"""The routed step of row-sharded tables on 8 forced CPU devices: one device's numbers, O(B) bytes.
+
+The runs happen in a subprocess (tests/core/_routed_checks.py), as in
+tests/core/test_sharding.py; this process keeps its single device.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import optax_sparse_adam as osa
+from optax_sparse_adam._core import routing
+
+ROOT = Path(__file__).resolve().parents[2]
+# Float32: a row's entries on several devices are summed per device first, then
+# the devices' sums in device order, where one device adds them one by one.
+F32_ATOL = 1e-6
+# bfloat16 values and moments: that reassociation moves a result by a few ulps.
+BF16_RELATIVE = 2.0**-5
+
+
+@pytest.fixture(scope="module")
+def checks():
+  done = subprocess.run(
+    [sys.executable, str(ROOT / "tests" / "core" / "_routed_checks.py")],
+    capture_output=True,
+    text=True,
+    env=dict(os.environ, PYTHONPATH=str(ROOT)),
+    timeout=600,
+    check=False,
+  )
+  assert done.returncode == 0, done.stderr[-4000:]
+  return json.loads(done.stdout)
+
+
+ROUTED_RUNS = [
+  f"explicit/plain/{kind}/cf2"
+  for kind in (
+    "uniform",
+    "zipf",
+    "one_owner",
+    "spread_to_all",
+    "cross_device_duplicates",
+    "empty_local_batches",
+    "out_of_range",
+  )
+]
+ROUTED_RUNS += [f"explicit/plain/{kind}/cf1" for kind in ("one_owner", "zipf", "spread_to_all")]
+ROUTED_RUNS += ["auto/plain/uniform/cf2", "auto/plain/one_owner/cf2"]
+ROUTED_RUNS += [
+  f"explicit/{name}/cross_device_duplicates/cf2"
+  for name in (
+    "amsgrad",
+    "l2_weight_decay",
+    "adamw",
+    "per_row_bias_correction",
+    "maximize",
+    "all_options",
+    "bf16",
+    "apply_if_finite",
+  )
+]
+ROUTED_RUNS += ["explicit/all_options/one_owner/cf2", "auto/all_options/zipf/cf1"]
+ROUTED_RUNS += ["two_axes/batch_over_x"]
+
+
+UNROUTED_RUNS = ["two_axes/batch_over_y", "auto/replicated_batch_of_250"]
+
+
+def test_every_run_is_reported(checks):
+  expected = [*ROUTED_RUNS, *UNROUTED_RUNS, "auto/replicated_batch_of_256"]
+  assert sorted(checks["runs"]) == sorted(expected)
+
+
+@pytest.mark.parametrize("run", [*ROUTED_RUNS, *UNROUTED_RUNS, "auto/replicated_batch_of_256"])
+def test_routed_training_matches_one_device(checks, run):
+  result = checks["runs"][run]
+  for name, (diff, relative) in result["max_abs_diff"].items():
+    if "/bf16/" in run:
+      assert relative <= BF16_RELATIVE, (name, diff, relative)
+    else:
+      assert diff <= F32_ATOL, (name, diff)
+  assert result["compilations"] == 1
+
+
+@pytest.mark.parametrize(
+  "run", ["explicit/plain/one_owner/cf2", "explicit/all_options/one_owner/cf2"]
+)
+def test_an_overflowing_step_sums_in_one_devices_order(checks, run):
+  """All ids of all devices on one owner overflow every bucket: the overflow path
+  sums each row's entries in global input order and matches one device bit for bit."""
+  for name, (diff, _) in checks["runs"][run]["max_abs_diff"].items():
+    assert diff == 0.0, name
+
+
+@pytest.mark.parametrize("run", ROUTED_RUNS)
+def test_state_keeps_the_tables_row_sharding(checks, run):
+  specs = checks["runs"][run]["specs"]
+  for name in ("table", "mu", "nu", "nu_max"):
+    if name in specs:
+      assert specs[name] == "P('x', None)", name
+  if "row_step" in specs:
+    assert specs["row_step"] == "P('x',)"
+
+
+@pytest.mark.parametrize("run", ROUTED_RUNS)
+def test_routed_path_sends_one_all_to_all_of_the_buckets(checks, run):
+  """Outside the overflow path: one all-to-all of `capacity` slots per owner, each slot
+  a row's id and values (ids apart for bfloat16), and scalar flags; nothing of the
+  global batch's size."""
+  local, dim = checks["local"], checks["dim"]
+  num_shards = 4 if run.startswith("two_axes") else 8
+  factor = 1.0 if run.endswith("cf1") else 2.0
+  local = local * 8 // num_shards if run.startswith("two_axes") else local
+  slots = num_shards * routing.capacity(local, num_shards, factor)
+  routed_path = [
+    (op, size) for op, size, overflow in checks["runs"][run]["collectives"] if not overflow
+  ]
+  sent = sorted(size for op, size in routed_path if op == "all-to-all")
+  if "/bf16/" in run:  # ids apart from bfloat16 rows
+    assert sent == [slots, slots * dim]
+  else:  # each float32 row carries its id in one more word
+    assert sent == [slots * (dim + 1)]
+  assert all(size == 1 for op, size in routed_path if op != "all-to-all"), routed_path
+
+
+@pytest.mark.parametrize("run", UNROUTED_RUNS)
+def test_a_batch_split_otherwise_or_not_divisible_is_left_to_xla(checks, run):
+  """A batch over another axis than the table's rows, or one whose size is not a
+  multiple of the axis size: the step XLA partitions, with one device's numbers."""
+  collectives = checks["runs"][run]["collectives"]
+  assert "all-to-all" not in [op for op, _, _ in collectives]
+
+
+def test_a_replicated_batch_under_auto_axis_is_split_and_routed(checks):
+  collectives = checks["runs"]["auto/replicated_batch_of_256"]["collectives"]
+  assert "all-to-all" in [op for op, _, _ in collectives]
+
+
+def test_apply_of_rows_held_by_other_devices_adds_each_once(checks):
+  result = checks["apply_foreign"]
+  assert result["max_abs_diff"] == 0.0
+  assert result["spec"] == "P('x', None)"
+  ops = {op for op, _, _ in result["collectives"]}
+  assert "all-gather" in ops  # the update's entries went to their owners
+
+
+@pytest.mark.parametrize(
+  ("local", "shards", "factor", "expected"),
+  [(2048, 8, 2.0, 512), (2048, 2, 2.0, 2048), (10, 8, 1.0, 2), (7, 8, 2.0, 2), (1, 8, 2.0, 1)],
+)
+def test_capacity_is_a_multiple_of_the_even_share_at_most_the_local_entries(
+  local, shards, factor, expected
+):
+  assert routing.capacity(local, shards, factor) == expected
+
+
+def test_a_capacity_factor_below_one_is_refused():
+  with pytest.raises(ValueError, match="capacity_factor"), osa.sharded_routing(capacity_factor=0.5):
+    pass
+
+
+LOOKUPS = [
+  f"{mode}/{kind}"
+  for mode in ("explicit", "auto")
+  for kind in ("uniform", "one_owner", "out_of_range_and_negative")
+]
+
+
+@pytest.mark.parametrize("run", LOOKUPS)
+def test_sharded_lookup_is_table_of_ids(checks, run):
+  result = checks["lookups"][run]
+  assert result["max_abs_diff"] == 0.0
+  assert result["spec"] == "P('x', None)"
+
+
+@pytest.mark.parametrize("run", LOOKUPS)
+def test_sharded_lookup_sends_ids_out_and_rows_back(checks, run):
+  """Outside the overflow path: an all-to-all of the capacity's ids, one of their rows,
+  and a scalar flag."""
+  slots = 8 * routing.capacity(checks["local"], 8, 2.0)
+  routed_path = [
+    (op, size) for op, size, overflow in checks["lookups"][run]["collectives"] if not overflow
+  ]
+  assert sorted(routed_path) == sorted(
+    [("all-to-all", slots), ("all-to-all", slots * checks["dim"]), ("all-reduce", 1)]
+  )
+
+
+def test_sharded_lookup_on_one_device_is_table_of_ids():
+  table = np.arange(12.0, dtype=np.float32).reshape(6, 2)
+  ids = np.array([5, 0, -1, 7, -9], np.int32)
+  np.testing.assert_array_equal(
+    osa.sharded_lookup(jnp.asarray(table), jnp.asarray(ids)), jnp.asarray(table)[ids]
+  )
+
+
+def test_sharded_lookup_refuses_ids_that_are_not_1d_integers():
+  table = jnp.zeros((4, 2))
+  with pytest.raises(ValueError, match="ids of shape"):
+    osa.sharded_lookup(table, jnp.zeros((2, 2), jnp.int32))
+  with pytest.raises(ValueError, match="dtype float32"):
+    osa.sharded_lookup(table, jnp.zeros((2,), jnp.float32))
+
+
+def test_a_flax_nnx_table_row_sharded_is_looked_up_and_stepped_routed_as_on_one_device(checks):
+  """SparseEmbed's lookup (2 ids per example, some padding), sparse_value_and_grad and
+  SparseOptimizer: every collective of the whole compiled train step outside the
+  overflow paths is an all-to-all (lookup: ids out, rows back; step) or a small
+  all-reduce (flags, the loss, the dense tower's gradient)."""
+  result = checks["flax_nnx"]
+  if result is None:
+    pytest.skip("flax is not installed")
+  assert result["routed"] == ["apply", "lookup", "step"]
+  assert result["max_abs_diff"] <= F32_ATOL
+  routed_path = [(op, size) for op, size, overflow in result["collectives"] if not overflow]
+  assert [op for op, _ in routed_path].count("all-to-all") == 3
+  assert all(size <= 2 * checks["dim"] for op, size in routed_path if op != "all-to-all"), (
+    routed_path
+  )
+
+
+@pytest.mark.parametrize("row_shape", [(), (3,), (2, 2)])
+def test_ids_travel_bit_cast_in_float32_words_and_come_back_exact(row_shape):
+  # Ids up to the first non-finite float32 pattern: denormal and normal patterns.
+  rows = jnp.array([0, 7, 0x7F7FFFFF, 123456789], jnp.int32)
+  values = jnp.arange(4 * int(np.prod(row_shape)), dtype=jnp.float32).reshape((4,) + row_shape)
+  assert routing._packs(values, max_row=0x7F7FFFFF)
+  packed = routing._pack(rows, values - 5)
+  got_rows, got_values = routing._unpack(packed, values)
+  np.testing.assert_array_equal(got_rows, rows)
+  np.testing.assert_array_equal(got_values, values - 5)
+
+
+def test_ids_that_would_be_nan_patterns_or_16_bit_words_travel_apart():
+  """bfloat16 words would hold NaN patterns for some ids (2**31 - 1 is two NaNs),
+  which XLA:CPU rewrites: such rows and ids go in two collectives."""
+  assert not routing._packs(jnp.zeros((2, 3), jnp.bfloat16), max_row=10)
+  assert not routing._packs(jnp.zeros((2, 3), jnp.float16), max_row=10)
+  assert not routing._packs(jnp.zeros((2, 3), jnp.float32), max_row=0x7F800000)
+
+
+def test_buckets_hold_each_owners_distinct_rows_and_flag_overflow():
+  # 4 owners of 10 rows each; slots past a bucket's rows are padding (num_rows).
+  coalesced = osa.coalesce_rows(
+    jnp.array([12, 3, 3, 31, 35, 38, 39, 40, -1], jnp.int32), jnp.ones((9, 2)), 40
+  )
+  buckets = routing.bucket_by_owner(coalesced, num_rows=40, num_shards=4, capacity=3)
+  np.testing.assert_array_equal(buckets.rows, [3, 40, 40, 12, 40, 40, 40, 40, 40, 31, 35, 38])
+  np.testing.assert_array_equal(buckets.values[:, 0], [2, 0, 0, 1, 0, 0, 0, 0, 0, 1, 1, 1])
+  # Owner 3 has 4 distinct rows (31, 35, 38, 39): 3 slots are too few.
+  assert bool(buckets.overflow)
+  roomy = routing.bucket_by_owner(coalesced, num_rows=40, num_shards=4, capacity=4)
+  assert not bool(roomy.overflow)
+
+
+def test_block_ids_and_global_ids_convert_both_ways_with_unique_padding():
+  shard = jnp.int32(2)
+  local = routing.to_local(jnp.array([20, 29, 19, 30, 40], jnp.int32), shard, 10)
+  np.testing.assert_array_equal(local, [0, 9, 10, 10, 10])
+  ids = routing.owned_ids(jnp.array([0, 9, 10, 12], jnp.int32), shard, 10)
+  np.testing.assert_array_equal(ids, [21, 30, 0, 0])
+  np.testing.assert_array_equal(
+    routing.decode_rows(ids, shard, 40), [20, 29, 40 + 8 + 2, 40 + 8 + 3]
+  )
+
+
+def test_chunk_reads_fill_past_the_end():
+  x = jnp.arange(5)
+  np.testing.assert_array_equal(routing.chunk(x, jnp.int32(1), 3, -1), [3, 4, -1])
+  np.testing.assert_array_equal(routing.chunk(x, jnp.int32(0), 3, -1), [0, 1, 2])
