@@ -263,9 +263,9 @@ def flax_nnx():
 
   reference, _ = run(None)
   traced = []
-  rows_step, scatter_add = routed.rows_step, routed.scatter_add
+  masked_step, scatter_add = routed.masked_step, routed.scatter_add
   routed_lookup = lookup._routed_lookup
-  routed.rows_step = lambda *a, **k: traced.append("step") or rows_step(*a, **k)
+  routed.masked_step = lambda *a, **k: traced.append("step") or masked_step(*a, **k)
   routed.scatter_add = lambda *a, **k: traced.append("apply") or scatter_add(*a, **k)
   lookup._routed_lookup = lambda *a, **k: traced.append("lookup") or routed_lookup(*a, **k)
   try:
@@ -273,7 +273,7 @@ def flax_nnx():
     with osa.sharded_routing(auto_axis="x"):
       table, hlo = run(mesh)
   finally:
-    routed.rows_step, routed.scatter_add = rows_step, scatter_add
+    routed.masked_step, routed.scatter_add = masked_step, scatter_add
     lookup._routed_lookup = routed_lookup
   return {
     "max_abs_diff": float(np.max(np.abs(table - reference))),
