@@ -74,8 +74,8 @@ def masked_step(
   if last_step is not None:
     # Catch-up: the rows' idle steps first, as dense Adam would have taken them.
     assert inputs.step is not None  # the optax layer gives a step with catch-up
-    last = bcoo.gather_rows(last_step, rows)
-    last = last.reshape(last.shape + (1,) * len(layout.dense_shape))
+    last_rows = bcoo.gather_rows(last_step, rows)
+    last = last_rows.reshape(last_rows.shape + (1,) * len(layout.dense_shape))
     caught = catch_up.idle_rows(
       rule,  # type: ignore[arg-type]  # the optax layer checks catch_up.supports(rule)
       slot_rows,
@@ -90,7 +90,10 @@ def masked_step(
       assert param_rows is not None
       shift = shift + caught.decay_minus_one * param_rows
       param_rows = param_rows + shift
-    last_step = bcoo.scatter_rows(last_step, rows, jnp.broadcast_to(inputs.step, rows.shape))
+    # The step, as a function of the gathered rows (each row's last step is below
+    # it): the scatter then follows the gather, and XLA updates the table in place
+    # instead of copying it.
+    last_step = bcoo.scatter_rows(last_step, rows, jnp.maximum(last_rows, inputs.step))
 
   store = rounding.slot_store(
     config.moment_rounding,

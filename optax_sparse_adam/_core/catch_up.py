@@ -22,7 +22,7 @@ their mix `w r^j + (1 - w) b1^j`, which is what is summed here, in closed form:
 each with one step size: the window's bias-corrected step size at the
 centroid of its weights `x^j` (an integer step of the window). Hence:
 
-- **exact** (to float32 rounding) when `eps = 0` (w = 1), with amsgrad (the
+- **exact** (to float32 rounding) as `eps -> 0` (w = 1), with amsgrad (the
   denominator `sqrt(vmax) + eps` is constant over the window, so w = 0 for any
   eps), and when the row's moments are zero; the step size must be constant
   over the window (it is, to float32 rounding, once `b1^s` and `b2^s` are below
@@ -39,7 +39,7 @@ centroid of its weights `x^j` (an integer step of the window). Hence:
 The learning rate of the idle steps is the current step's (with a schedule,
 the error is bounded by the same formula over the window's actual step sizes).
 `b1 < sqrt(b2)` is needed without amsgrad (r < 1, else the mix, and the bound,
-grow with k): `transform` refuses the rest.
+grow with k): `_optax.catch_up.check_options` refuses the rest.
 """
 
 from __future__ import annotations

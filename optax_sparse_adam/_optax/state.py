@@ -20,8 +20,8 @@ class SparseAdamState(NamedTuple):
 
   Its structure depends only on the flags given to `sparse_adam`, never on
   the params given to `init`, so `optax.tree.map_params` finds the fields that
-  follow the params (`mu`, `nu`, `nu_max`, `row_step`) and maps the others
-  (`count`, `param_steps`) with `transform_non_params`.
+  follow the params (`mu`, `nu`, `nu_max`, `row_step`, `row_last_step`) and
+  maps the others (`count`, `param_steps`) with `transform_non_params`.
 
   Attributes:
     count: int32 number of `update` calls, the input of a learning-rate schedule.

@@ -489,3 +489,27 @@ def test_with_inject_hyperparams():
   want, want_state = _steps(osa.sparse_adamw(**kwargs), params, grads)
   np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
   np.testing.assert_array_equal(state.inner_state.row_last_step, want_state.row_last_step)
+
+
+@pytest.mark.parametrize("path", ["generic", "accelerator"])
+def test_grad_through_catch_up_steps(path):
+  """d(loss after catch-up steps)/d(learning rate) is finite and matches finite differences."""
+  grads = sparse_grads(touch_pattern(5), 6)
+  params = jnp.asarray(np.random.default_rng(6).normal(size=(VOCAB, DIM)), jnp.float32)
+
+  def loss_after(lr):
+    opt = osa.sparse_adamw(lr, weight_decay=0.5, catch_up_idle_rows=True)
+    p, s = params, opt.init(params)
+    for ids, values in grads:
+      g = sparse.BCOO((jnp.asarray(values), jnp.asarray(ids)[:, None]), shape=(VOCAB, DIM))
+      updates, s = opt.update(g, s, p)
+      p = osa.apply_updates(p, updates)
+    p, _ = osa.catch_up_all_rows(opt, p, s)
+    return jnp.sum(p**2)
+
+  with choice.choose(**PATHS[path]):
+    derivative = jax.jit(jax.grad(loss_after))(jnp.float32(0.05))
+    h, loss_at = 1e-3, jax.jit(loss_after)
+    numeric = (loss_at(jnp.float32(0.05 + h)) - loss_at(jnp.float32(0.05 - h))) / (2 * h)
+  assert np.isfinite(derivative)
+  np.testing.assert_allclose(derivative, numeric, rtol=2e-2)

@@ -219,6 +219,7 @@ FLAGS = {
   "amsgrad": {"amsgrad": True},
   "per_row": {"per_row_bias_correction": True},
   "all": {"amsgrad": True, "per_row_bias_correction": True},
+  "catch_up": {"amsgrad": True, "catch_up_idle_rows": True},
 }
 
 
@@ -238,6 +239,7 @@ def test_state_structure_follows_the_flags_not_the_params(flags):
   for state in states:
     assert (state.nu_max is None) == ("amsgrad" not in FLAGS[flags])
     assert (state.row_step is None) == ("per_row_bias_correction" not in FLAGS[flags])
+    assert (state.row_last_step is None) == ("catch_up_idle_rows" not in FLAGS[flags])
     assert state.param_steps.dtype == jnp.int32 and state.param_steps.ndim == 1
   assert [s.param_steps.shape[0] for s in states] == [0, 1, 2, 1]
 
@@ -248,7 +250,7 @@ def test_map_params_gives_every_state_leaf_a_spec_of_its_rank(flags):
   params = two_params()
   state = opt.init(params)
   param_specs = {"table": P("x", None), "bias": P(), "none": None}
-  per_row = "per_row_bias_correction" in FLAGS[flags]
+  per_row = "per_row_bias_correction" in FLAGS[flags] or "catch_up_idle_rows" in FLAGS[flags]
   # The plain recipe (spec as is) where every per-parameter leaf has its parameter's rank;
   # with per-row bias correction the row steps are 1-D, so the spec is cut to the leaf's rank.
   fn = fit_rank if per_row else (lambda _, spec: spec)
@@ -260,8 +262,10 @@ def test_map_params_gives_every_state_leaf_a_spec_of_its_rank(flags):
   assert len(leaves) == len(spec_leaves)
   for leaf, spec in zip(leaves, spec_leaves, strict=True):
     assert len(spec) <= leaf.ndim, (leaf.shape, spec)
-  if per_row:
+  if "per_row_bias_correction" in FLAGS[flags]:
     assert specs.row_step == {"table": P("x"), "bias": P(), "none": None}
+  if "catch_up_idle_rows" in FLAGS[flags]:
+    assert specs.row_last_step == {"table": P("x"), "bias": P(), "none": None}
 
 
 def test_map_params_through_chains_and_wrappers():
