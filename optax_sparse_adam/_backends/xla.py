@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import optax
 
 from optax_sparse_adam._core import bcoo, catch_up, coalesce, rounding
-from optax_sparse_adam._core.rules import RowsStep, StepInputs, StepPlan, Tables
+from optax_sparse_adam._core.rules import RowBlock, RowsStep, StepInputs, StepPlan, Tables
 
 
 def masked_step(
@@ -104,13 +104,7 @@ def masked_step(
   )
 
   delta, new_rows = rule.update(
-    g,
-    slot_rows,
-    step,
-    inputs.hyper,
-    compute_dtype=compute_dtype,
-    opaque_zero=inputs.opaque_zero,
-    store=store,
+    RowBlock(g, slot_rows, step, compute_dtype, inputs.opaque_zero, store), inputs.hyper
   )
   if config.weight_decay == "decoupled":
     assert param_rows is not None

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -28,7 +28,7 @@ from jax import lax
 
 from optax_sparse_adam._core.errors import is_python_number
 from optax_sparse_adam._core.rounding import SlotStore, nearest_store
-from optax_sparse_adam._core.rules import Slot
+from optax_sparse_adam._core.rules import RowBlock, Slot
 
 Scalar = float | jax.Array
 
@@ -161,6 +161,22 @@ def hyperparams_of(coeffs: AdamCoefficients, step_size: Scalar | None = None) ->
   return AdamHyperparams(*coeffs, step_size=step_size)
 
 
+def block_arithmetic(
+  block: RowBlock,
+) -> tuple[Callable[[Any], jax.Array], Callable[[jax.Array], jax.Array], SlotStore]:
+  """`(c, r, store)` for a rule's update of `block`: a constant in the compute dtype,
+  a product rounded where it stands (`rounded`), and the slots' store (to nearest
+  unless the block brings one)."""
+
+  def c(x: Any) -> jax.Array:
+    return jnp.asarray(x, block.compute_dtype)
+
+  def r(x: jax.Array) -> jax.Array:
+    return rounded(x, block.opaque_zero)
+
+  return c, r, block.store or nearest_store(block.slots)
+
+
 @dataclasses.dataclass(frozen=True)
 class AdamRule:
   """torch.optim.SparseAdam's row rule (with amsgrad's running max where asked).
@@ -185,15 +201,7 @@ class AdamRule:
     return bias_corrected_step_size(hyper, step)
 
   def update(
-    self,
-    grad: jax.Array,
-    slot_rows: Mapping[str, jax.Array],
-    step: jax.Array | None,
-    hyper: AdamHyperparams,
-    *,
-    compute_dtype: Any,
-    opaque_zero: jax.Array | None,
-    store: SlotStore | None = None,
+    self, block: RowBlock, hyper: AdamHyperparams
   ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """The moments and the parameter delta of the rows, in torch's order of operations.
 
@@ -201,14 +209,8 @@ class AdamRule:
     function, pins the rounding of every product (bit-exact torch on backends
     that would fuse multiply-adds into FMAs). See `rules.RowRule.update`.
     """
-
-    def c(x):
-      return jnp.asarray(x, compute_dtype)
-
-    def r(x):
-      return rounded(x, opaque_zero)
-
-    store = store or nearest_store(slot_rows)
+    grad, slot_rows, step, compute_dtype = block[:4]
+    c, r, store = block_arithmetic(block)
     mu_rows, nu_rows = slot_rows["mu"], slot_rows["nu"]
     g = grad.astype(compute_dtype)
     m = mu_rows.astype(compute_dtype)

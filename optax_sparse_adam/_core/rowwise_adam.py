@@ -44,16 +44,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from optax_sparse_adam._core.adam import AdamHyperparams, rounded
-from optax_sparse_adam._core.rounding import SlotStore, nearest_store
-from optax_sparse_adam._core.rules import Slot
+from optax_sparse_adam._core.adam import AdamHyperparams, block_arithmetic
+from optax_sparse_adam._core.rules import RowBlock, Slot
 
 
 def pairwise_row_sum(x: jax.Array) -> jax.Array:
@@ -123,28 +121,14 @@ class RowwiseAdamRule:
     return (Slot("mu"), Slot("nu", per_row=True), *amsgrad)
 
   def update(
-    self,
-    grad: jax.Array,
-    slot_rows: Mapping[str, jax.Array],
-    step: jax.Array | None,
-    hyper: AdamHyperparams,
-    *,
-    compute_dtype: Any,
-    opaque_zero: jax.Array | None,
-    store: SlotStore | None = None,
+    self, block: RowBlock, hyper: AdamHyperparams
   ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """The moments and the parameter delta of `n` rows (see `rules.RowRule.update`).
 
     `step` is a scalar or each row's `(n, 1, ...)`; `slot_rows["nu"]` is `(n,)`.
     """
-
-    def c(x):
-      return jnp.asarray(x, compute_dtype)
-
-    def r(x):
-      return rounded(x, opaque_zero)
-
-    store = store or nearest_store(slot_rows)
+    grad, slot_rows, step, compute_dtype = block[:4]
+    c, r, store = block_arithmetic(block)
     n = grad.shape[0]
     mu_rows, nu_rows = slot_rows["mu"], slot_rows["nu"]
     g = grad.astype(compute_dtype)

@@ -11,7 +11,7 @@ shares or matches bit for bit):
   s[name]   = slot tables gathered at the rows   (for each of `rule.slots()`)
   g         = -g if maximize;  g += wd * p[rows] if L2 weight decay
   t         = the parameter's step, or each row's own (per-row step counts)
-  delta, s' = rule.update(g, s, t, hyper, store=...)   (s' rounded to each
+  delta, s' = rule.update(RowBlock(g, s, t, ...), hyper)  (s' rounded to each
                                                   slot's dtype by `store`)
   delta    -= lr * wd * p[rows] if decoupled weight decay
   slot tables[rows] = s'                         (touched rows only)
@@ -71,35 +71,8 @@ class RowRule(Protocol):
     """The rule's tables, in the order the pipeline gathers them."""
     ...
 
-  def update(
-    self,
-    grad: jax.Array,
-    slot_rows: Mapping[str, jax.Array],
-    step: jax.Array | None,
-    hyper: Any,
-    *,
-    compute_dtype: Any,
-    opaque_zero: jax.Array | None,
-    store: SlotStore | None = None,
-  ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """The update of a block of `n` coalesced rows.
-
-    Args:
-      grad: `(n, *dense_shape)` summed gradient rows in `compute_dtype`, with
-        maximize and L2 weight decay applied.
-      slot_rows: each slot's old rows, in its storage dtype: `(n, *dense_shape)`
-        for a full-width slot, `(n,)` for a per-row one.
-      step: int32, the step count this update makes: a scalar (the
-        parameter's), or `(n, 1, ...)` (each row's, broadcastable to `grad`);
-        None where the caller gave none (`StepInputs.step`).
-      hyper: the rule's hyper-parameters.
-      compute_dtype: the dtype of the arithmetic.
-      opaque_zero: an int32 zero known only at run time, or None; when given,
-        products are rounded before they are added (`adam.rounded`).
-      store: `store(name, rows)` rounds a slot's new rows (in `compute_dtype`)
-        to the slot's dtype, as the step's `StepConfig.moment_rounding` asks;
-        a rule computes with the stored values, as they will be read back.
-        None: `astype` (round to nearest).
+  def update(self, block: RowBlock, hyper: Any) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """The update of a block of `n` coalesced rows (`RowBlock`), under `hyper`.
 
     Returns:
       `(delta, new_slot_rows)`: the signed parameter update of each row (before
@@ -108,6 +81,34 @@ class RowRule(Protocol):
       scratch in the touched rows (`coalesce.segments_by_marking`).
     """
     ...
+
+
+class RowBlock(NamedTuple):
+  """A block of `n` coalesced rows, as a rule's `update` sees it.
+
+  Attributes:
+    grad: `(n, *dense_shape)` summed gradient rows in `compute_dtype`, with
+      maximize and L2 weight decay applied.
+    slots: each slot's old rows, in its storage dtype: `(n, *dense_shape)` for
+      a full-width slot, `(n,)` for a per-row one.
+    step: int32, the step count this update makes: a scalar (the parameter's),
+      or `(n, 1, ...)` (each row's, broadcastable to `grad`); None where the
+      caller gave none (`StepInputs.step`).
+    compute_dtype: the dtype of the arithmetic.
+    opaque_zero: an int32 zero known only at run time, or None; when given,
+      products are rounded before they are added (`adam.rounded`).
+    store: `store(name, rows)` rounds a slot's new rows (in `compute_dtype`) to
+      the slot's dtype, as the step's `StepConfig.moment_rounding` asks; a rule
+      computes with the stored values, as they will be read back. None:
+      `astype` (round to nearest).
+  """
+
+  grad: jax.Array
+  slots: Mapping[str, jax.Array]
+  step: jax.Array | None
+  compute_dtype: Any
+  opaque_zero: jax.Array | None = None
+  store: SlotStore | None = None
 
 
 class StepConfig(NamedTuple):
