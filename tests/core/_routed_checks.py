@@ -77,6 +77,9 @@ OPTIMIZERS = {
   "bf16": lambda: osa.sparse_adam(1e-2),
   # A lax.cond whose rejecting branch must build the routed update's type.
   "apply_if_finite": lambda: osa.sparse_apply_if_finite(osa.sparse_adam(1e-2), 3),
+  # Per-row state routed with the rows: a row-wise second moment, catch-up's last steps.
+  "rowwise": lambda: osa.sparse_adam(1e-2, rowwise_second_moment=True),
+  "catch_up": lambda: osa.sparse_adamw(1e-2, weight_decay=0.1, catch_up_idle_rows=True),
 }
 
 
@@ -130,6 +133,8 @@ def train(opt_name, kind, *, mesh=None, batch_axis="x", batch=BATCH, seed=0):
     arrays["nu_max"] = state.nu_max["table"]
   if state.row_step is not None:
     arrays["row_step"] = state.row_step["table"]
+  if getattr(state, "row_last_step", None) is not None:
+    arrays["row_last_step"] = state.row_last_step["table"]
   return {
     "arrays": {k: np.asarray(v.astype(jnp.float32)) for k, v in arrays.items()},
     "specs": {k: str(getattr(v.sharding, "spec", None)) for k, v in arrays.items()},

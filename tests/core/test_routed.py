@@ -64,6 +64,8 @@ ROUTED_RUNS += [
     "all_options",
     "bf16",
     "apply_if_finite",
+    "rowwise",
+    "catch_up",
   )
 ]
 ROUTED_RUNS += ["explicit/all_options/one_owner/cf2", "auto/all_options/zipf/cf1"]
@@ -102,11 +104,9 @@ def test_an_overflowing_step_sums_in_one_devices_order(checks, run):
 @pytest.mark.parametrize("run", ROUTED_RUNS)
 def test_state_keeps_the_tables_row_sharding(checks, run):
   specs = checks["runs"][run]["specs"]
-  for name in ("table", "mu", "nu", "nu_max"):
-    if name in specs:
-      assert specs[name] == "P('x', None)", name
-  if "row_step" in specs:
-    assert specs["row_step"] == "P('x',)"
+  per_row = ("row_step", "row_last_step") + (("nu", "nu_max") if "/rowwise/" in run else ())
+  for name, spec in specs.items():
+    assert spec == ("P('x',)" if name in per_row else "P('x', None)"), name
 
 
 @pytest.mark.parametrize("run", ROUTED_RUNS)
