@@ -6,12 +6,10 @@ switch changes is traced again, even one that was traced before under a fresh
 `jax.jit` (what `jax.export` does).
 """
 
-import contextlib
 import os
-from collections.abc import Iterator
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
-import jax
+from optax_sparse_adam._core.switches import Switch
 
 ACCELERATOR = "accelerator"
 GENERIC_XLA = "generic_xla"
@@ -34,22 +32,15 @@ class PathChoice(NamedTuple):
   forced: str | None = None
 
 
-_CHOICE = jax.make_user_context(PathChoice())
-
-
-def current() -> PathChoice:
-  """The switches in force now."""
-  return _CHOICE.value
-
-
-@contextlib.contextmanager
-def choose(**changes: Any) -> Iterator[None]:
-  """Within this block, steps traced use `current()` with `changes` (fields of `PathChoice`)."""
-  choice = current()._replace(**changes)
+def _check(choice: PathChoice) -> None:
   if choice.forced not in (None, *_PATHS):
     raise ValueError(f"forced path {choice.forced!r}; expected one of {_PATHS} or None")
-  with _CHOICE(choice):
-    yield
+
+
+_SWITCH = Switch(PathChoice(), _check)
+# The switches in force now; within a `choose(**changes)` block, steps traced use them changed.
+current = _SWITCH.current
+choose = _SWITCH.choose
 
 
 def forced() -> str | None:

@@ -39,7 +39,7 @@ traced array's type does not say how XLA will split it;
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -50,6 +50,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from optax_sparse_adam._core import bcoo, coalesce, routing, sharding
 from optax_sparse_adam._core.rules import RowsStep, StepInputs, StepPlan, Tables
+from optax_sparse_adam._core.switches import Switch
 
 # Names the overflow path's ops in the compiled program (benchmarks and tests
 # tell its collectives from those of the routed path by it).
@@ -74,22 +75,15 @@ class Routing(NamedTuple):
   auto_axis: str | None = None
 
 
-_CONTEXT = jax.make_user_context(Routing())
-
-
-def current() -> Routing:
-  """The routing switches in force now."""
-  return _CONTEXT.value
-
-
-@contextlib.contextmanager
-def choose(**changes: Any) -> Iterator[None]:
-  """Within this block, steps traced use `current()` with `changes` (fields of `Routing`)."""
-  choice = current()._replace(**changes)
+def _check(choice: Routing) -> None:
   if not choice.capacity_factor >= 1:
     raise ValueError(f"capacity_factor={choice.capacity_factor!r}; expected a number >= 1")
-  with _CONTEXT(choice):
-    yield
+
+
+_SWITCH = Switch(Routing(), _check)
+# The routing switches in force now; within `choose(**changes)`, steps traced use them changed.
+current = _SWITCH.current
+choose = _SWITCH.choose
 
 
 def sharded_routing(
