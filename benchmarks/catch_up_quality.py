@@ -1,166 +1,262 @@
-"""Lazy, catch-up and dense Adam on one recommender problem: distance to dense Adam, and loss.
+"""Lazy, catch-up and dense Adam on example recipes: distance to dense Adam, metric over training.
 
-A matrix-factorisation recommender (user and item tables of D values, ratings
-from hidden embeddings plus noise, Zipf-distributed user and item ids, MSE on
-the dot product) trained with the same batches by:
+Each recipe (benchmarks/_catch_up_recipes.py: a matrix-factorisation
+recommender, examples/dlrm_side_by_side.py's DLRM in float32, and
+examples/node2vec.py's skip-gram on a networkx graph) is trained with the same
+batches and initial weights by:
 
 - lazy Adam: `sparse_adam` (torch.optim.SparseAdam's numerics);
 - catch-up: `sparse_adam(catch_up_idle_rows=True)`, the batch's rows brought
   up to date before the forward pass (`catch_up_rows`), `catch_up_all_rows`
   before each measurement;
-- catch-up at the step only: the same without `catch_up_rows` (the gradient
-  is taken at a row's value before its idle steps);
-- dense Adam with the same eps placement: `sparse_adam` given a gradient that
-  covers every row (zeros where the batch has none), so every row steps at
-  every step.
+- catch-up at the step only (`--step-only`): the same without `catch_up_rows`
+  (the gradient is taken at a row's value before its idle steps);
+- dense Adam: `optax.adam` on the densified gradient (zeros where the batch has
+  none), with this package's eps placement (`eps` added to `sqrt(v)`, as torch's
+  SparseAdam does: `optax.adam`'s eps, injected as `eps / sqrt(1 - b2^t)`).
 
-Prints, per optimizer over several seeds, the relative distance of the tables
-to dense Adam's at a few steps, and the held-out loss at the end. With
-`--convex` the item table is fixed (the hidden one) and only the user table is
-trained: a convex problem, whose dense trajectory is stable, so distances show
-the catch-up's own error rather than the divergence of two nonconvex runs.
+The tables only differ between the runs; other parameters (DLRM's MLPs) step
+with `optax.adam` in every run. Every `--every` steps it records the relative
+distance of the tables to dense Adam's, `||T - T_dense|| / ||T_dense||` over
+all tables, and the recipe's metric (held-out MSE; DLRM: the progressive log
+loss, each batch's loss before it trains, mean of the window; Node2Vec: the
+skip-gram loss on a fixed sample of pairs). It prints the curves (mean and
+min..max over seeds), the final metric of each optimizer over the seeds, and
+with `--plot` draws them. The recommender runs twice: as it is, and with its
+item table fixed to the hidden one (`mf_convex`: only the user table trains, a
+convex problem whose dense trajectory is stable, so distances show the
+catch-up's own error rather than the drift of two nonconvex runs).
 
 Run from the repository root:
 
-  python -m benchmarks.catch_up_quality            # about a minute
-  python -m benchmarks.catch_up_quality --quick
+  python -m benchmarks.catch_up_quality                    # 4 recipes, 3 seeds, ~1 min
+  python -m benchmarks.catch_up_quality --plot             # and docs/catch_up_curves.png
+  python -m benchmarks.catch_up_quality --recipes mf mf_convex --step-only
 """
 
 import argparse
+import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from jax.experimental import sparse
 
 import optax_sparse_adam as osa
+from benchmarks import _catch_up_recipes as recipes
+from benchmarks import _curves
 
 
-def make_problem(seed: int, users: int, items: int, dim: int, steps: int, batch: int):
-  rng = np.random.default_rng(seed)
-  true_u = rng.normal(size=(users, dim)) / dim**0.25
-  true_i = rng.normal(size=(items, dim)) / dim**0.25
+def dense_adam(learning_rate: float, b1=0.9, b2=0.999, eps=1e-8) -> optax.GradientTransformation:
+  """`optax.adam` with eps added to `sqrt(v)` before the bias correction, as `sparse_adam` does.
 
-  def draw(n, size):
-    return np.minimum(rng.zipf(1.3, size=size) - 1, n - 1).astype(np.int32)
+  `sparse_adam` steps `-lr sqrt(1 - b2^t) / (1 - b1^t) m / (sqrt(v) + eps)`, which is
+  `optax.adam`'s `-lr m_hat / (sqrt(v_hat) + eps_t)` with `eps_t = eps / sqrt(1 - b2^t)`.
+  """
 
-  def ratings(u, i):
-    return (np.sum(true_u[u] * true_i[i], axis=1) + 0.1 * rng.normal(size=u.shape)).astype(
-      np.float32
-    )
+  def eps_t(count):  # count: the steps taken before this one
+    return eps / jnp.sqrt(1 - b2 ** (count + 1))
 
-  batches = []
-  for _ in range(steps):
-    u, i = draw(users, batch), draw(items, batch)
-    batches.append((u, i, ratings(u, i)))
-  u, i = draw(users, 8 * batch), draw(items, 8 * batch)
-  return batches, (u, i, ratings(u, i)), jnp.asarray(true_i, jnp.float32)
+  return optax.inject_hyperparams(optax.adam)(learning_rate=learning_rate, b1=b1, b2=b2, eps=eps_t)
 
 
-def loss_fn(rows_u, rows_i, y):
-  return jnp.mean((jnp.sum(rows_u * rows_i, axis=1) - y) ** 2)
+def check_dense_adam() -> float:
+  """The largest difference of `dense_adam` from `sparse_adam` given every row, over 50 steps."""
+  rng = np.random.default_rng(0)
+  params = {"t": jnp.asarray(rng.normal(size=(6, 3)), jnp.float32)}
+  ours, dense = osa.sparse_adam(0.05), dense_adam(0.05)
+  p_ours, p_dense = params, params
+  s_ours, s_dense = ours.init(params), dense.init(params)
+  all_rows = jnp.arange(6)[:, None]
+  for _ in range(50):
+    g = jnp.asarray(rng.normal(size=(6, 3)) * (rng.random((6, 1)) < 0.5), jnp.float32)
+    u, s_ours = ours.update({"t": sparse.BCOO((g, all_rows), shape=(6, 3))}, s_ours, p_ours)
+    p_ours = osa.apply_updates(p_ours, u)
+    u, s_dense = dense.update({"t": g}, s_dense, p_dense)
+    p_dense = optax.apply_updates(p_dense, u)
+  return float(jnp.max(jnp.abs(p_ours["t"] - p_dense["t"])))
 
 
-def train(kind: str, batches, held_out, users, items, dim, seed, checkpoints, fixed_items=None):
-  catch_up = kind.startswith("catch-up")
-  opt = osa.sparse_adam(0.05, catch_up_idle_rows=catch_up)
-  key_u, key_i = jax.random.split(jax.random.key(seed))
-  params = {
-    "u": 0.1 * jax.random.normal(key_u, (users, dim)),
-    "i": 0.1 * jax.random.normal(key_i, (items, dim)),
-  }
-  if fixed_items is not None:
-    del params["i"]
-  state = opt.init(params)
-  all_u, all_i = jnp.arange(users)[:, None], jnp.arange(items)[:, None]
+def make_step(recipe: recipes.Recipe, kind: str, opt, other_opt):
+  """One jitted training step of `recipe`'s tables under `kind`, its other parameters by adam."""
+  shapes = {name: t.shape for name, t in recipe.tables.items()}
 
-  @jax.jit
-  def step(params, state, u, i, y):
+  def step(tables, other, state, other_state, constants, batch):
     if kind == "catch-up":
-      ids = {"u": u, "i": i}
-      params, state = osa.catch_up_rows(opt, params, state, {name: ids[name] for name in params})
-    rows_u = params["u"][u]
-    rows_i = fixed_items[i] if fixed_items is not None else params["i"][i]
-    g_u, g_i = jax.grad(loss_fn, argnums=(0, 1))(rows_u, rows_i, y)
-    if kind == "dense":  # every row, a zero gradient where the batch has none
-      g_u = jnp.zeros((users, dim)).at[u].add(g_u)
-      g_i = jnp.zeros((items, dim)).at[i].add(g_i)
-      grads = {
-        "u": sparse.BCOO((g_u, all_u), shape=(users, dim)),
-        "i": sparse.BCOO((g_i, all_i), shape=(items, dim)),
-      }
+      tables, state = osa.catch_up_rows(opt, tables, state, recipe.batch_ids(batch))
+    loss, row_grads, other_grads = recipe.loss_and_row_grads(tables, other, constants, batch)
+    if kind == "dense":
+      grads = {n: jnp.zeros(shapes[n]).at[i].add(g) for n, (i, g) in row_grads.items()}
+      updates, state = opt.update(grads, state, tables)
+      tables = optax.apply_updates(tables, updates)
     else:
-      grads = {
-        "u": sparse.BCOO((g_u, u[:, None]), shape=(users, dim)),
-        "i": sparse.BCOO((g_i, i[:, None]), shape=(items, dim)),
-      }
-    grads = {name: grads[name] for name in params}
-    updates, state = opt.update(grads, state, params)
-    return osa.apply_updates(params, updates), state
+      grads = {n: sparse.BCOO((g, i[:, None]), shape=shapes[n]) for n, (i, g) in row_grads.items()}
+      updates, state = opt.update(grads, state, tables)
+      tables = osa.apply_updates(tables, updates)
+    if other is not None:
+      updates, other_state = other_opt.update(other_grads, other_state, other)
+      other = optax.apply_updates(other, updates)
+    return tables, other, state, other_state, loss
 
-  snapshots = {}
-  for t, (u, i, y) in enumerate(batches, 1):
-    params, state = step(params, state, u, i, y)
-    if t in checkpoints:
-      seen = osa.catch_up_all_rows(opt, params, state)[0] if catch_up else params
-      snapshots[t] = jax.tree.map(np.asarray, seen)
-  final = snapshots[max(checkpoints)]
-  u, i, y = held_out
-  items_table = fixed_items if fixed_items is not None else final["i"]
-  return snapshots, float(loss_fn(final["u"][u], items_table[i], y))
+  return jax.jit(step, donate_argnums=(0, 1, 2, 3))
 
 
-def distance(a, b) -> float:
+def train(recipe: recipes.Recipe, kind: str, step, opt, other_opt, every: int):
+  """Snapshots of the tables and the metric every `every` steps; the final scores."""
+  tables, other = jax.tree.map(jnp.copy, (recipe.tables, recipe.other))
+  state = opt.init(tables)
+  other_state = other_opt.init(other) if other is not None else None
+  metric = jax.jit(recipe.metric) if recipe.metric else None
+  snapshots, metrics, losses = [], [], []
+  for t, batch in enumerate(recipe.batches, 1):
+    tables, other, state, other_state, loss = step(
+      tables, other, state, other_state, recipe.constants, batch
+    )
+    losses.append(float(loss))
+    if t % every == 0:
+      seen = tables
+      if kind.startswith("catch-up"):
+        seen = osa.catch_up_all_rows(opt, tables, state)[0]
+      snapshots.append(jax.tree.map(np.asarray, seen))
+      metrics.append(float(metric(seen, other)) if metric else float(np.mean(losses[-every:])))
+  scores = recipe.final_scores(snapshots[-1], other) if recipe.final_scores else {}
+  return snapshots, metrics, scores
+
+
+def distance(a: dict, b: dict) -> float:
   num = sum(np.sum((a[k] - b[k]) ** 2) for k in a)
-  den = sum(np.sum(b[k] ** 2) for k in b)
-  return float(np.sqrt(num / den))
+  return float(np.sqrt(num / sum(np.sum(b[k] ** 2) for k in b)))
+
+
+METRICS = {
+  "mf": "held-out MSE",
+  "mf_convex": "held-out MSE",
+  "dlrm": "progressive log loss (window mean)",
+  "node2vec": "skip-gram loss, fixed sample",
+}
+TITLES = {
+  "mf": "matrix factorisation",
+  "mf_convex": "matrix factorisation, item table fixed",
+  "dlrm": "DLRM (dlrm_side_by_side.py, float32)",
+  "node2vec": "Node2Vec (node2vec.py)",
+}
+
+
+def run_recipe(name: str, args) -> dict:
+  kinds = ["lazy", "catch-up", "dense"]
+  if args.step_only:
+    kinds.insert(1, "catch-up at the step only")
+  steps_of = {
+    "mf": args.mf_steps,
+    "mf_convex": args.mf_steps,
+    "dlrm": args.dlrm_steps,
+    "node2vec": args.node2vec_steps,
+  }
+  every = max(1, steps_of[name] // args.points)
+  builders = {
+    "mf": lambda s: recipes.matrix_factorisation(s, steps=args.mf_steps),
+    "mf_convex": lambda s: recipes.matrix_factorisation(s, steps=args.mf_steps, convex=True),
+    "dlrm": lambda s: recipes.dlrm(s, steps=args.dlrm_steps),
+    "node2vec": lambda s: recipes.node2vec(s, graph=args.graph, steps=args.node2vec_steps),
+  }
+  out = {kind: {"distance": [], "metric": [], "scores": []} for kind in kinds}
+  steppers = {}
+  for seed in range(args.seeds):
+    recipe = builders[name](seed)
+    for kind in ["dense"] + [k for k in kinds if k != "dense"]:  # dense first: the reference
+      if kind not in steppers:  # one step function per kind: the seeds reuse its compilation
+        opt = dense_adam(recipe.lr) if kind == "dense" else osa.sparse_adam(
+          recipe.lr, catch_up_idle_rows=kind.startswith("catch-up")
+        )  # fmt: skip
+        other_opt = optax.adam(recipe.lr)
+        steppers[kind] = (make_step(recipe, kind, opt, other_opt), opt, other_opt)
+      snapshots, metrics, scores = train(recipe, kind, *steppers[kind], every)
+      if kind == "dense":
+        reference = snapshots
+      out[kind]["distance"].append(
+        [distance(a, b) for a, b in zip(snapshots, reference, strict=True)]
+      )
+      out[kind]["metric"].append(metrics)
+      out[kind]["scores"].append(scores)
+  out["steps"] = list(range(every, every * len(reference) + 1, every))
+  return out
+
+
+def print_finals(name: str, out: dict, kinds: list) -> None:
+  scores = list(out[kinds[0]]["scores"][0])
+  header = ["final " + METRICS[name] + " (lower is better)", *scores, "final distance to dense"]
+  print(f"\n{TITLES[name]}: mean ± std over seeds (min..max)\n")
+  print("| optimizer | " + " | ".join(header) + " |")
+  print("|---|" + "---:|" * len(header))
+  for kind in kinds:
+    r = out[kind]
+    columns = [[m[-1] for m in r["metric"]]]
+    columns += [[s[score] for s in r["scores"]] for score in scores]
+    columns += [[d[-1] for d in r["distance"]]]
+    cells = [
+      f"{np.mean(c):.4f} ± {np.std(c):.4f} ({np.min(c):.4f}..{np.max(c):.4f})" for c in columns
+    ]
+    print(f"| {kind} | " + " | ".join(cells) + " |")
 
 
 def main(argv=None) -> None:
   parser = argparse.ArgumentParser(
     description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
   )
-  parser.add_argument("--users", type=int, default=5000)
-  parser.add_argument("--items", type=int, default=2000)
-  parser.add_argument("--dim", type=int, default=16)
-  parser.add_argument("--steps", type=int, default=1000)
-  parser.add_argument("--batch", type=int, default=256)
-  parser.add_argument("--seeds", type=int, default=3)
-  parser.add_argument("--convex", action="store_true", help="train the user table only")
-  parser.add_argument("--quick", action="store_true")
-  args = parser.parse_args(argv)
-  if args.quick:
-    args.users, args.items, args.steps, args.seeds = 1000, 500, 300, 2
-  checkpoints = sorted({args.steps // 10, args.steps // 3, args.steps})
-  print(
-    f"# lazy vs catch-up vs dense Adam: users {args.users:,}, items {args.items:,}, "
-    f"D={args.dim}, {args.steps} steps of {args.batch} Zipf(1.3) ids, lr 0.05, "
-    f"{args.seeds} seeds" + (", item table fixed (convex)" if args.convex else "")
+  parser.add_argument("--recipes", nargs="+", choices=list(TITLES), default=list(TITLES))
+  parser.add_argument("--seeds", type=int, default=3, help="seeds 0 .. n-1")
+  parser.add_argument("--mf-steps", type=int, default=1000)
+  parser.add_argument("--dlrm-steps", type=int, default=300)
+  parser.add_argument("--node2vec-steps", type=int, default=2000)
+  parser.add_argument("--graph", default="les_miserables", help="node2vec's graph")
+  parser.add_argument("--points", type=int, default=20, help="measurements per run")
+  parser.add_argument("--step-only", action="store_true", help="also catch-up at the step only")
+  parser.add_argument(
+    "--plot",
+    nargs="?",
+    type=_curves.Path,
+    const=_curves.ROOT / "docs" / "catch_up_curves.png",
+    help="draw the curves to this PNG (default docs/catch_up_curves.png)",
   )
-  kinds = ("lazy", "catch-up at the step only", "catch-up", "dense")
-  results = {kind: {"dist": {t: [] for t in checkpoints}, "loss": []} for kind in kinds}
-  for seed in range(args.seeds):
-    batches, held_out, true_items = make_problem(
-      seed, args.users, args.items, args.dim, args.steps, args.batch
+  args = parser.parse_args(argv)
+  gap = check_dense_adam()
+  assert gap < 1e-5, f"dense_adam is not sparse_adam's math on full gradients: {gap}"
+  start = time.perf_counter()
+  results = {name: run_recipe(name, args) for name in args.recipes}
+  print(
+    f"# lazy vs catch-up vs dense Adam: seeds 0..{args.seeds - 1}; "
+    f"{time.perf_counter() - start:.0f} s; {jax.default_backend()}; dense_adam matches "
+    f"sparse_adam on full gradients to {gap:.1e}"
+  )
+  panels = []
+  for name, out in results.items():
+    kinds = [k for k in out if k != "steps"]
+    distances = {k: out[k]["distance"] for k in kinds if k != "dense"}
+    metrics = {k: out[k]["metric"] for k in kinds}
+    title = TITLES[name]
+    _curves.print_curves(f"{title}, relative distance to dense Adam", out["steps"], distances)
+    _curves.print_curves(f"{title}, {METRICS[name]}", out["steps"], metrics)
+    print_finals(name, out, kinds)
+    panels.append(
+      {
+        "steps": out["steps"],
+        "curves": distances,
+        "title": f"{title}: distance to dense Adam",
+        "ylabel": "||T - T_dense|| / ||T_dense||",
+        "log": True,
+      }
     )
-    fixed = true_items if args.convex else None
-    runs = {
-      kind: train(
-        kind, batches, held_out, args.users, args.items, args.dim, seed, checkpoints, fixed
-      )
-      for kind in results
-    }
-    for kind, (snapshots, loss) in runs.items():
-      results[kind]["loss"].append(loss)
-      for t in checkpoints:
-        results[kind]["dist"][t].append(distance(snapshots[t], runs["dense"][0][t]))
-  header = " | ".join(f"step {t}" for t in checkpoints)
-  print(f"\n| optimizer | relative distance to dense Adam: {header} | held-out MSE |")
-  print("|---|" + "---:|" * (len(checkpoints) + 1))
-  for kind, r in results.items():
-    dists = " | ".join(f"{np.mean(r['dist'][t]):.2e}" for t in checkpoints)
-    loss = f"{np.mean(r['loss']):.4f} ± {np.std(r['loss']):.4f}"
-    print(f"| {kind} | {dists} | {loss} |")
+    panels.append(
+      {"steps": out["steps"], "curves": metrics, "title": title, "ylabel": METRICS[name]}
+    )
+  if args.plot:
+    _curves.plot_panels(
+      args.plot,
+      panels,
+      columns=2,
+      title=f"lazy, catch-up and dense Adam: mean and min..max over seeds 0..{args.seeds - 1}",
+    )
 
 
 if __name__ == "__main__":

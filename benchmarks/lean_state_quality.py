@@ -1,22 +1,24 @@
 """What the lean optimizer states cost in quality, on two of the repository's example recipes.
 
 Trains each recipe with each state setting for several seeds and prints the
-final metric's mean and spread across seeds, next to full Adam's:
+final metric's mean and spread across seeds, next to full Adam's, and the
+metric over training (`--plot` draws it: mean and min..max over seeds):
 
 - matrix factorisation (examples/train_embedding.py's data and model: two
   tables, users 50k and items 20k, D=32): held-out RMSE after the training
-  steps;
+  steps, and every 50 steps for the curve;
 - DLRM (examples/dlrm_side_by_side.py's JAX half, float32: three
   `SparseEmbedBag` tables with sparse_adam, MLPs with optax.adam): the
   progressive validation log loss, the mean over the last 100 steps of each
-  fresh batch's loss before it trains.
+  fresh batch's loss before it trains (the curve: its mean over each 20 steps).
 
 Settings: full (the default), rowwise (`rowwise_second_moment=True`), bf16
 (`mu_dtype=nu_dtype=bfloat16`, rounded to nearest), bf16_sr (the same,
 `moment_rounding="stochastic"`) and rowwise_bf16_sr (both). A seed sets the data,
 the initial weights and the batches.
 
-  python -m benchmarks.lean_state_quality             # 3 seeds, about 5 minutes
+  python -m benchmarks.lean_state_quality             # 3 seeds, about 3 minutes
+  python -m benchmarks.lean_state_quality --plot      # and docs/lean_state_curves.png
   python -m benchmarks.lean_state_quality --seeds 1   # one seed
   python -m benchmarks.lean_state_quality --json      # the figures as JSON
 """
@@ -33,6 +35,7 @@ import numpy as np
 import optax
 
 import optax_sparse_adam as osa
+from benchmarks import _curves
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
@@ -50,8 +53,8 @@ SETTINGS = {
 }
 
 
-def matrix_factorisation(seed: int, options: dict, *, steps: int = 1000) -> float:
-  """Held-out RMSE of examples/train_embedding.py's recommender, trained `steps` steps."""
+def matrix_factorisation(seed: int, options: dict, *, steps: int = 1000, every: int = 50):
+  """Held-out RMSE of examples/train_embedding.py's recommender: final, and every `every` steps."""
   import train_embedding as mf
 
   n_users, n_items, dim, batch, lr = 50_000, 20_000, 32, 4096, 0.01
@@ -81,16 +84,26 @@ def matrix_factorisation(seed: int, options: dict, *, steps: int = 1000) -> floa
     updates, state = opt.update(grads, state, params)
     return osa.apply_updates(params, updates), state
 
+  @jax.jit
+  def held_out_rmse(params):
+    rows = params["users"][test[0]], params["items"][test[1]]
+    return jnp.sqrt(loss_of_rows(*rows, test[2]))
+
   step = jax.jit(step, donate_argnums=(0, 1))
-  for _ in range(steps):
+  curve = [float(held_out_rmse(params))]
+  for t in range(1, steps + 1):
     picked = rng.integers(0, len(train[0]), batch)
     params, state = step(params, state, *(a[picked] for a in train))
-  rows = params["users"][test[0]], params["items"][test[1]]
-  return float(jnp.sqrt(loss_of_rows(*rows, test[2])))
+    if t % every == 0:
+      curve.append(float(held_out_rmse(params)))
+  return curve[-1], list(range(0, steps + 1, every)), curve
 
 
-def dlrm(seed: int, options: dict, *, steps: int = 300, last: int = 100) -> float:
-  """Progressive validation log loss of examples/dlrm_side_by_side.py's JAX DLRM (float32)."""
+def dlrm(seed: int, options: dict, *, steps: int = 300, last: int = 100, window: int = 20):
+  """Progressive validation log loss of examples/dlrm_side_by_side.py's JAX DLRM (float32).
+
+  Returns the mean over the `last` steps, and the curve: the mean of each `window` steps.
+  """
   import dlrm_side_by_side as d
   from flax import nnx
 
@@ -116,12 +129,23 @@ def dlrm(seed: int, options: dict, *, steps: int = 300, last: int = 100) -> floa
   for dense, bags, clicks in batches:
     jax_bags = [(jnp.asarray(ids), jnp.asarray(offsets)) for ids, offsets in bags]
     losses.append(float(step(model, optimizer, jnp.asarray(dense), jax_bags, jnp.asarray(clicks))))
-  return float(np.mean(losses[-last:]))
+  curve = _curves.windowed(losses, window)
+  return float(np.mean(losses[-last:])), list(range(window, steps + 1, window)), curve.tolist()
 
 
 RECIPES = {
   "matrix factorisation, held-out RMSE": matrix_factorisation,
   "DLRM, progressive log loss (last 100 steps)": dlrm,
+}
+CURVES = {  # recipe: (panel title, y label)
+  "matrix factorisation, held-out RMSE": (
+    "matrix factorisation (train_embedding.py): held-out RMSE",
+    "held-out RMSE",
+  ),
+  "DLRM, progressive log loss (last 100 steps)": (
+    "DLRM (dlrm_side_by_side.py, float32): progressive log loss",
+    "log loss of each fresh batch, mean of 20 steps",
+  ),
 }
 
 
@@ -131,29 +155,78 @@ def main(argv=None) -> None:
   )
   parser.add_argument("--seeds", type=int, default=3, help="seeds 0 .. n-1")
   parser.add_argument("--json", action="store_true", help="print the figures as JSON only")
+  parser.add_argument(
+    "--plot",
+    nargs="?",
+    type=Path,
+    const=_curves.ROOT / "docs" / "lean_state_curves.png",
+    help="draw the curves to this PNG (default docs/lean_state_curves.png)",
+  )
   args = parser.parse_args(argv)
   seeds = list(range(args.seeds))
   start = time.perf_counter()
-  results = {
+  runs = {
     recipe: {name: [run(s, options) for s in seeds] for name, options in SETTINGS.items()}
     for recipe, run in RECIPES.items()
   }
+  results = {
+    recipe: {name: [final for final, _, _ in r] for name, r in by_setting.items()}
+    for recipe, by_setting in runs.items()
+  }
   if args.json:
-    json.dump(results, sys.stdout)
+    curves = {
+      recipe: {name: [curve for _, _, curve in r] for name, r in by_setting.items()}
+      for recipe, by_setting in runs.items()
+    }
+    json.dump({"final": results, "curves": curves}, sys.stdout)
     return
-  print(f"# lean-state quality: seeds {seeds}; {time.perf_counter() - start:.0f} s")
+  seconds = time.perf_counter() - start
+  print(f"# lean-state quality: seeds {seeds}; {seconds:.0f} s; {jax.default_backend()}")
   for recipe, by_setting in results.items():
     full = np.array(by_setting["full"])
     print(f"\n{recipe} (lower is better)\n")
-    print("| setting | mean | min .. max over seeds | vs full (mean) | per seed vs full |")
-    print("|---|---|---|---|---|")
+    print(
+      "| setting | mean | min .. max over seeds | vs full (mean) | per seed vs full "
+      "| at most 1% above full | inside full's min..max |"
+    )
+    print("|---|---|---|---|---|---|---|")
     for name, values in by_setting.items():
       v = np.array(values)
       per_seed = " ".join(f"{x:+.2%}" for x in v / full - 1)
+      within = v.mean() <= 1.01 * full.mean()  # lower is better: below full passes
+      inside = full.min() <= v.mean() <= full.max()
       print(
         f"| {name} | {v.mean():.4f} | {v.min():.4f} .. {v.max():.4f} "
-        f"| {v.mean() / full.mean() - 1:+.2%} | {per_seed} |"
+        f"| {v.mean() / full.mean() - 1:+.2%} | {per_seed} | {'yes' if within else 'no'} "
+        f"| {'yes' if inside else 'no'} |"
       )
+  absolute, relative = [], []
+  for recipe, by_setting in runs.items():
+    steps = next(iter(by_setting.values()))[0][1]
+    curves = {name: [curve for _, _, curve in r] for name, r in by_setting.items()}
+    full = np.array(curves["full"])
+    against_full = {  # each seed against full Adam with the same seed, in percent
+      name: (100 * (np.array(c) / full - 1)).tolist() for name, c in curves.items()
+    }
+    title, ylabel = CURVES[recipe]
+    _curves.print_curves(f"{title}, over training", steps, curves)
+    _curves.print_curves(f"{title}, % against full Adam (same seed)", steps, against_full)
+    absolute.append({"steps": steps, "curves": curves, "title": title, "ylabel": ylabel})
+    relative.append(
+      {
+        "steps": steps,
+        "curves": against_full,
+        "title": f"{title.split(' (')[0]}: each seed against full Adam's",
+        "ylabel": "% above full Adam (same seed)",
+      }
+    )
+  if args.plot:
+    _curves.plot_panels(
+      args.plot,
+      absolute + relative,
+      columns=2,
+      title=f"lean optimizer states against full Adam: mean and min..max over seeds {seeds}",
+    )
 
 
 if __name__ == "__main__":
