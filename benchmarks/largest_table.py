@@ -12,17 +12,19 @@ so the peak resident set of one does not hide in the other's. The process
 allocates the table (filled with a constant, so every page is resident) and
 the state, then runs `--steps` jitted, donated training steps on random batches
 of `--batch` Zipf-distributed ids (the fused CPU kernels, the default on the
-CPU): a loss on the looked-up rows, its BCOO gradient, `opt.update` and
-`apply_updates`. It reports the rows, the table + state bytes, the peak
-resident set (VmHWM of /proc/self/status) after each stage, the steps per
-second, the loss on the first batch before and after training and whether the
-touched rows moved while an untouched row did not.
+CPU; `--xla-ops` for the XLA ops, which accelerators run): a loss on the
+looked-up rows, its BCOO gradient, `opt.update` and `apply_updates`. It
+reports the rows, the table + state bytes, the peak resident set (VmHWM of
+/proc/self/status) after each stage, the steps per second, the loss on the
+first batch before and after training and whether the touched rows moved while
+an untouched row did not.
 
 Run from the repository root (needs the budget plus about 1 GiB free; check
 `free -g` first):
 
   python -m benchmarks.largest_table                 # 8 GiB
   python -m benchmarks.largest_table --budget-gib 2  # a quick check
+  python -m benchmarks.largest_table --budget-gib 2 --xla-ops --steps 10
 """
 
 import argparse
@@ -55,9 +57,11 @@ def memory_status() -> dict[str, int]:
   return status
 
 
-def child(setting: str, budget_gib: float, dim: int, batch: int, steps: int) -> dict:
+def child(setting: str, budget_gib: float, dim: int, batch: int, steps: int, xla_ops: bool):
   """One setting in this process: allocate, train, measure. Returns the figures."""
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
+  if xla_ops:
+    os.environ["OPTAX_SPARSE_ADAM_CPU_KERNELS"] = "0"  # the XLA ops, as accelerators run
   import jax
   import jax.numpy as jnp
   import numpy as np
@@ -139,6 +143,7 @@ def child(setting: str, budget_gib: float, dim: int, batch: int, steps: int) -> 
       np.array_equal(np.asarray(params["table"][untouched]), before_untouched)
     ),
     "backend": jax.default_backend(),
+    "cpu_kernels": osa.cpu_kernels_available() and not xla_ops,
   }
 
 
@@ -151,21 +156,27 @@ def main(argv=None) -> None:
   parser.add_argument("--batch", type=int, default=4096, help="ids per step")
   parser.add_argument("--steps", type=int, default=50, help="training steps per setting")
   parser.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
+  parser.add_argument(
+    "--xla-ops", action="store_true", help="step with the XLA ops, not the fused CPU kernels"
+  )
   parser.add_argument("--child", choices=list(SETTINGS), help=argparse.SUPPRESS)
   args = parser.parse_args(argv)
   if args.child:
-    print(json.dumps(child(args.child, args.budget_gib, args.dim, args.batch, args.steps)))
+    figures = child(args.child, args.budget_gib, args.dim, args.batch, args.steps, args.xla_ops)
+    print(json.dumps(figures))
     return
 
   print(
     f"# largest table in {args.budget_gib:g} GiB (table + optimizer state): D={args.dim}, "
-    f"float32 table, {args.steps} donated steps of {args.batch} Zipf ids, one process each"
+    f"float32 table, {args.steps} donated steps of {args.batch} Zipf ids, one process each, "
+    + ("XLA ops" if args.xla_ops else "the fused CPU kernels where they apply")
   )
   results = {}
   for setting in args.settings:  # one at a time: each allocates the whole budget
     command = [sys.executable, "-m", "benchmarks.largest_table", "--child", setting]
     command += ["--budget-gib", str(args.budget_gib), "--dim", str(args.dim)]
     command += ["--batch", str(args.batch), "--steps", str(args.steps)]
+    command += ["--xla-ops"] if args.xla_ops else []
     done = subprocess.run(command, capture_output=True, text=True, check=False)
     if done.returncode:
       sys.exit(f"{setting}: the child process failed ({done.returncode}):\n{done.stderr[-3000:]}")
@@ -181,14 +192,15 @@ def main(argv=None) -> None:
     peak = r["stages"]["steps"]["VmHWM"]
     print(
       f"| {name} | {r['rows']:,} | {r['state_bytes_per_row']:.0f} | {used / GIB:.2f} GiB "
-      f"| {peak / GIB:.2f} GiB | {(peak - used) / GIB:+.2f} GiB | {r['steps_per_second']:.0f} "
+      f"| {peak / GIB:.2f} GiB | {(peak - used) / GIB:+.2f} GiB | {r['steps_per_second']:.3g} "
       f"| {r['loss_before']:.4f} -> {r['loss_after']:.4f} | {r['touched_rows_moved']:.0%} "
       f"| {r['untouched_row_kept']} |"
     )
   print("\npeak resident set (VmHWM) after each stage, GiB:")
   for name, r in results.items():
     stages = ", ".join(f"{k} {v['VmHWM'] / GIB:.2f}" for k, v in r["stages"].items())
-    print(f"  {name}: {stages}")
+    path = "CPU kernels" if r["cpu_kernels"] else "XLA ops"
+    print(f"  {name} ({path}): {stages}")
   if "full" in results and "lean" in results:
     ratio = results["lean"]["rows"] / results["full"]["rows"]
     print(f"\nrows(lean) / rows(full) = {ratio:.2f}x")
