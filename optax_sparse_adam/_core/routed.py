@@ -147,11 +147,9 @@ def plan_step(grad: sparse.BCOO, tables: Tables, plan: StepPlan) -> Plan | None:
     grad: the BCOO gradient (entries split over the axis, `n_sparse == 1`).
     tables: the rule's slots, the per-row arrays and the parameter (where weight
       decay reads it), all to be split by rows like the table.
-    plan: the step's plan. Stochastic rounding keys its bits on the global row,
-      which a shard does not see: such a step is left to XLA's partitioner.
+    plan: the step's plan.
   """
-  if plan.config.moment_rounding != "nearest":
-    return None
+  del plan  # every rule and option routes (stochastic rounding: `StepInputs.row_offset`)
   arrays = [*tables.slots.values(), tables.row_step, tables.last_step, tables.param]
   found = _plan(grad, [a for a in arrays if a is not None])
   if found is None:
@@ -214,8 +212,11 @@ def masked_step(
     for i, array in zip(traced, arrays, strict=True):
       full[i] = array
     hyper = jax.tree.unflatten(treedef, full)
+    # Stochastic rounding keys on global rows: the shard's first row is added.
+    row_offset = lax.axis_index(axis).astype(jnp.int32) * rows_per_shard
+    carried = carried._replace(param=param)
     result = local_step(
-      StepInputs(local_rows, local_values, carried._replace(param=param), step, hyper, opaque_zero),
+      StepInputs(local_rows, local_values, carried, step, hyper, opaque_zero, row_offset),
       local_plan,
     )
     return result.rows, result.delta, result.tables

@@ -61,6 +61,9 @@ def ids_of(kind, rng):
     return ids
   if kind == "out_of_range":
     return rng.integers(-40, NUM_ROWS + 40, BATCH)
+  if kind == "device_local_rows":  # duplicates within a device's batch, none across devices
+    local_rows = rng.permutation(NUM_ROWS)[: NUM_DEVICES * 8].reshape(NUM_DEVICES, 8)
+    return np.concatenate([rng.choice(rows, LOCAL) for rows in local_rows])
   raise ValueError(kind)
 
 
@@ -80,7 +83,18 @@ OPTIMIZERS = {
   # Per-row state routed with the rows: a row-wise second moment, catch-up's last steps.
   "rowwise": lambda: osa.sparse_adam(1e-2, rowwise_second_moment=True),
   "catch_up": lambda: osa.sparse_adamw(1e-2, weight_decay=0.1, catch_up_idle_rows=True),
+  # bf16 moments rounded stochastically: keyed on global rows, so one device's bits
+  # (the fused CPU kernel on each shard; amsgrad: the XLA ops).
+  "stochastic": lambda: osa.sparse_adam(
+    1e-2, mu_dtype=jnp.bfloat16, nu_dtype=jnp.bfloat16, moment_rounding="stochastic"
+  ),
+  "stochastic_amsgrad": lambda: osa.sparse_adam(
+    1e-2, amsgrad=True, mu_dtype=jnp.bfloat16, nu_dtype=jnp.bfloat16, moment_rounding="stochastic"
+  ),
 }
+# Options checked bit for bit on ids whose rows each live in one device's batch
+# (a row summed across devices may round its moments the other way).
+EXACT_OPTIONS = ("stochastic", "stochastic_amsgrad")
 
 
 def collectives(hlo_text):
@@ -299,8 +313,10 @@ def main():
   cases = [("plain", kind, "explicit", 2.0) for kind in kinds]
   cases += [("plain", kind, "explicit", 1.0) for kind in ("one_owner", "zipf", "spread_to_all")]
   cases += [("plain", kind, "auto", 2.0) for kind in ("uniform", "one_owner")]
-  options = [name for name in OPTIMIZERS if name != "plain"]
+  options = [name for name in OPTIMIZERS if name not in ("plain", *EXACT_OPTIONS)]
   cases += [(name, "cross_device_duplicates", "explicit", 2.0) for name in options]
+  cases += [(name, "device_local_rows", "explicit", 2.0) for name in EXACT_OPTIONS]
+  cases += [("stochastic", "one_owner", "explicit", 2.0), ("stochastic", "zipf", "auto", 1.0)]
   cases += [("all_options", "one_owner", "explicit", 2.0), ("all_options", "zipf", "auto", 1.0)]
   references = {}
   for opt_name, kind, mode, capacity_factor in cases:

@@ -69,6 +69,13 @@ ROUTED_RUNS += [
   )
 ]
 ROUTED_RUNS += ["explicit/all_options/one_owner/cf2", "auto/all_options/zipf/cf1"]
+STOCHASTIC_RUNS = [
+  "explicit/stochastic/device_local_rows/cf2",
+  "explicit/stochastic_amsgrad/device_local_rows/cf2",
+  "explicit/stochastic/one_owner/cf2",
+  "auto/stochastic/zipf/cf1",
+]
+ROUTED_RUNS += STOCHASTIC_RUNS
 ROUTED_RUNS += ["two_axes/batch_over_x"]
 
 
@@ -97,6 +104,16 @@ def test_routed_training_matches_one_device(checks, run):
 def test_an_overflowing_step_sums_in_one_devices_order(checks, run):
   """All ids of all devices on one owner overflow every bucket: the overflow path
   sums each row's entries in global input order and matches one device bit for bit."""
+  for name, (diff, _) in checks["runs"][run]["max_abs_diff"].items():
+    assert diff == 0.0, name
+
+
+@pytest.mark.parametrize("run", STOCHASTIC_RUNS)
+def test_stochastic_rounding_routed_draws_one_devices_bits(checks, run):
+  """bf16 moments rounded stochastically: each shard keys its rows' bits on their global
+  rows (`StepInputs.row_offset`), so the routed step stores one device's bits, on the
+  routed path (rows each in one device's batch), the overflow path (one owner) and both
+  (Zipf ids, capacity factor 1, `Auto` axes)."""
   for name, (diff, _) in checks["runs"][run]["max_abs_diff"].items():
     assert diff == 0.0, name
 
