@@ -178,6 +178,27 @@ def test_capacity_is_a_multiple_of_the_even_share_at_most_the_local_entries(
   assert routing.capacity(local, shards, factor) == expected
 
 
+@pytest.mark.parametrize(
+  ("local", "shards", "expected"),
+  [
+    (2048, 8, 346),  # 256 + 6 * sqrt(256 * 7 / 8) = 345.8
+    (2048, 4, 630),  # 512 + 6 * sqrt(512 * 3 / 4) = 629.6
+    (2048, 2, 1160),  # 1024 + 6 * sqrt(1024 / 2) = 1159.8
+    (256, 8, 64),  # 32 + 6 * 5.3 > 2 * 32: twice the share
+    (32, 8, 8),
+    (3, 2, 3),  # at most the local entries
+  ],
+)
+def test_the_default_capacity_is_six_deviations_over_the_share_at_most_twice_it(
+  local, shards, expected
+):
+  """Sized for uniform ids (a binomial count per owner); never above capacity factor 2,
+  so no more bytes and, for uniform ids, no more overflowing steps than that."""
+  capacity = routing.capacity(local, shards, None)
+  assert capacity == expected
+  assert capacity <= routing.capacity(local, shards, 2.0)
+
+
 def test_a_capacity_factor_below_one_is_refused():
   with pytest.raises(ValueError, match="capacity_factor"), osa.sharded_routing(capacity_factor=0.5):
     pass
@@ -201,7 +222,7 @@ def test_sharded_lookup_is_table_of_ids(checks, run):
 def test_sharded_lookup_sends_ids_out_and_rows_back(checks, run):
   """Outside the overflow path: an all-to-all of the capacity's ids, one of their rows,
   and a scalar flag."""
-  slots = 8 * routing.capacity(checks["local"], 8, 2.0)
+  slots = 8 * routing.capacity(checks["local"], 8, None)  # the default capacity
   routed_path = [
     (op, size) for op, size, overflow in checks["lookups"][run]["collectives"] if not overflow
   ]
