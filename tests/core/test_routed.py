@@ -342,3 +342,14 @@ def test_chunk_reads_fill_past_the_end():
   x = jnp.arange(5)
   np.testing.assert_array_equal(routing.chunk(x, jnp.int32(1), 3, -1), [3, 4, -1])
   np.testing.assert_array_equal(routing.chunk(x, jnp.int32(0), 3, -1), [0, 1, 2])
+
+
+def test_the_step_finds_optax_apply_if_finite_s_accepting_branch():
+  """The routed step recognises `optax.apply_if_finite`'s cond by its branch's code; an
+  optax that renamed it would fail here, not silently (JAX's cond would then refuse the
+  routed update's shape at trace time)."""
+  from optax_sparse_adam._optax import leaf
+
+  code = leaf._optax_apply_if_finite_branch()
+  assert code is not None and code.co_name == "do_update"
+  assert not leaf._inside_optax_apply_if_finite()
