@@ -101,6 +101,7 @@ def masked_step(
     dtypes={slot.name: tables.slots[slot.name].dtype for slot in slots},
     step=inputs.step,
     rows=rows,
+    row_offset=inputs.row_offset,
   )
 
   delta, new_rows = rule.update(

@@ -32,8 +32,8 @@ def sharded_lookup(table: jax.Array, ids: jax.Array) -> jax.Array:
   When `table` is split by rows over a mesh axis, `P(axis, None)`, and `ids`
   (1-D) over the same axis, as a data-parallel batch, each device sends its
   distinct ids to the devices owning their rows and gets the rows back: two
-  all-to-alls of `capacity_factor` times its local ids (`sharded_routing`),
-  whatever the number of devices. Elsewhere (one device, other layouts) this
+  all-to-alls of a fixed number of slots per owner (the capacity of
+  `sharded_routing`), whatever the number of devices. Elsewhere (one device, other layouts) this
   is `table[ids]`, under `Explicit` axes with the output split like the ids.
   Ids index as in `table[ids]`: negative ids count from the end, ids past
   either end are clamped.

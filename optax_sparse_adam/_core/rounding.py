@@ -18,7 +18,9 @@ The random bits come from a counter-based hash, not a PRNG state: for slot
   bf16 bits = (f32 bits + u) >> 16                       (finite values; NaN and
                                                           inf round to nearest)
 
-with 32-bit wrapping arithmetic and `fmix32` MurmurHash3's finalizer. Two runs
+with 32-bit wrapping arithmetic and `fmix32` MurmurHash3's finalizer. `r` is
+the global row: a shard of a row-split table adds its first row
+(`StepInputs.row_offset`), so a routed step draws one device's bits. Two runs
 give the same bits, and a run resumed from a checkpoint (which holds the step
 count) continues the same stream. The CPU kernels (`kernels.cc`) compute the
 same bits.
@@ -64,9 +66,18 @@ def step_key(step: jax.Array, slot_index: int) -> jax.Array:
   return fmix32(t * np.uint32(_STEP_MULTIPLIER) + salt)
 
 
-def random_bits(key: jax.Array, rows: jax.Array, row_size: int) -> jax.Array:
-  """16 random bits (as uint32) per element of `(n, row_size)` rows, from a step key."""
-  row_keys = fmix32(key ^ (rows.astype(jnp.uint32) * np.uint32(_ROW_MULTIPLIER)))
+def random_bits(
+  key: jax.Array, rows: jax.Array, row_size: int, row_offset: jax.Array | None = None
+) -> jax.Array:
+  """16 random bits (as uint32) per element of `(n, row_size)` rows, from a step key.
+
+  `row_offset` (int32 scalar, or None: 0) is added to `rows`: a shard's rows
+  then hash as the global rows they are.
+  """
+  r = rows.astype(jnp.uint32)
+  if row_offset is not None:
+    r = r + jnp.asarray(row_offset).astype(jnp.uint32)
+  row_keys = fmix32(key ^ (r * np.uint32(_ROW_MULTIPLIER)))
   elements = lax.iota(jnp.uint32, row_size) * np.uint32(_ELEMENT_MULTIPLIER)
   return fmix32(row_keys[:, None] ^ elements[None, :]) >> 16
 
@@ -115,6 +126,7 @@ def slot_store(
   dtypes: dict[str, Any],
   step: jax.Array | None,
   rows: jax.Array,
+  row_offset: jax.Array | None = None,
 ) -> SlotStore:
   """The pipeline's `store` for one step: new slot rows in compute dtype -> storage dtype.
 
@@ -125,6 +137,8 @@ def slot_store(
     dtypes: each slot's storage dtype.
     step: the parameter's step count of this step (needed for "stochastic").
     rows: int32 `(n,)` the rows of the block (the key's row counter).
+    row_offset: int32 scalar added to `rows` in the key (a shard's first
+      global row), or None (0).
   """
 
   def store(name: str, x: jax.Array) -> jax.Array:
@@ -135,7 +149,7 @@ def slot_store(
       raise ValueError("stochastic rounding needs the parameter's step count")
     n = x.shape[0]
     row_size = int(np.prod(x.shape[1:], dtype=np.int64))
-    bits = random_bits(step_key(step, slot_names.index(name)), rows, row_size)
+    bits = random_bits(step_key(step, slot_names.index(name)), rows, row_size, row_offset)
     return stochastic_round_to_bf16(x.reshape(n, row_size), bits).reshape(x.shape)
 
   return store

@@ -167,6 +167,9 @@ class StepInputs(NamedTuple):
       where the rule needs none (a step size given in `hyper`).
     hyper: the rule's hyper-parameters (floats or arrays).
     opaque_zero: an int32 zero known only at run time, or None.
+    row_offset: int32 scalar, the global row of the tables' first row, or None
+      (0): a shard of a row-split table (the routed step) gives its first row,
+      so that stochastic rounding keys on global rows, as one device does.
   """
 
   rows: jax.Array
@@ -175,6 +178,7 @@ class StepInputs(NamedTuple):
   step: jax.Array | None
   hyper: Any
   opaque_zero: jax.Array | None = None
+  row_offset: jax.Array | None = None
 
 
 class RowsStep(NamedTuple):

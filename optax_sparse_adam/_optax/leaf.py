@@ -10,6 +10,11 @@ in an auto-axes region (`_core.sharding`).
 
 from __future__ import annotations
 
+import functools
+import inspect
+import sys
+import types
+import warnings
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -174,6 +179,24 @@ def masked_leaf_step(
   indices_sorted, unique_indices = update_flags
 
   route = routed.plan_step(grad, tables, plan)
+  # optax.apply_if_finite's rejecting branch is zeros like the gradient: the
+  # update must have the gradient's entries, split as they are.
+  update_specs = (PartitionSpec(), PartitionSpec())
+  in_optax_apply_if_finite = _inside_optax_apply_if_finite()
+  if in_optax_apply_if_finite:
+    update_specs = (sharding.spec_of(grad.data), sharding.spec_of(grad.indices))
+  if route is not None and in_optax_apply_if_finite:
+    # Its rejecting branch is zeros like the gradient, whose entries a routed
+    # update cannot fit (an owner may receive more distinct rows than a device
+    # sent): the step XLA partitions returns the gradient's shape.
+    warnings.warn(
+      f"the row-sharded parameter at {path_str(path)} is stepped inside "
+      "optax.apply_if_finite, which needs the update to have the gradient's number of "
+      "entries: the step is left to XLA's partitioner (one device's numbers, but traffic "
+      "that grows with the devices). Use osa.sparse_apply_if_finite to route it.",
+      stacklevel=2,
+    )
+    route = None
   if route is not None:  # a row-sharded table: each row's gradient goes to its owner
     inputs = StepInputs(
       bcoo.linear_rows(grad.indices, layout), grad.data, tables, new_step, hyper, opaque_zero
@@ -210,12 +233,11 @@ def masked_leaf_step(
       hyper = jax.tree.unflatten(treedef, full)
       return run(grad_data, grad_indices, tables, new_step, hyper, opaque_zero)
 
-    replicated = PartitionSpec()
     table_specs = jax.tree_util.tree_map(sharding.spec_of, tables._replace(param=None))
     (data, indices), new_tables = sharding.call_with_auto_axes(
       run_arrays,
       (grad.data, grad.indices, tables, new_step, [leaves[i] for i in traced], opaque_zero),
-      ((replicated, replicated), table_specs),
+      (update_specs, table_specs),
     )
   update = sparse.BCOO(
     (data, indices),
@@ -292,3 +314,26 @@ def scatter_add_bcoo(param: jax.Array, update: sparse.BCOO, path: Sequence[Any] 
     )
 
   return sharding.call_with_auto_axes(scatter_add, (param, update), sharding.spec_of(param))
+
+
+@functools.cache
+def _optax_apply_if_finite_branch() -> types.CodeType | None:
+  """The code of `optax.apply_if_finite`'s accepting branch (`do_update`), or None."""
+  pending = [inspect.unwrap(optax.apply_if_finite).__code__]
+  while pending:
+    code = pending.pop()
+    if code.co_name == "do_update":
+      return code
+    pending.extend(c for c in code.co_consts if isinstance(c, types.CodeType))
+  return None
+
+
+def _inside_optax_apply_if_finite() -> bool:
+  """Whether this step is traced by `optax.apply_if_finite`'s `lax.cond` (a caller's frame)."""
+  branch = _optax_apply_if_finite_branch()
+  frame: types.FrameType | None = sys._getframe(1)
+  while frame is not None and branch is not None:
+    if frame.f_code is branch:
+      return True
+    frame = frame.f_back
+  return False

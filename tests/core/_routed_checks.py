@@ -6,24 +6,23 @@ JAX starts). Each run trains a row-sharded table a few jitted, donated steps
 differences, whether the step was routed (an all-to-all in the compiled step),
 and the collectives outside the overflow path.
 
-  python tests/core/_routed_checks.py   # prints one JSON object
+  PYTHONPATH=. python tests/core/_routed_checks.py   # prints one JSON object
 """
 
-import os
+from tests.core._forced_devices import force_cpu_devices
 
-os.environ["XLA_FLAGS"] = (
-  os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-).strip()
-os.environ["JAX_PLATFORMS"] = "cpu"
+force_cpu_devices(8)
 
 import contextlib  # noqa: E402
 import json  # noqa: E402
 import re  # noqa: E402
 import sys  # noqa: E402
+import warnings  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+import optax  # noqa: E402
 from jax.experimental import sparse  # noqa: E402
 from jax.sharding import AxisType, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
@@ -61,6 +60,9 @@ def ids_of(kind, rng):
     return ids
   if kind == "out_of_range":
     return rng.integers(-40, NUM_ROWS + 40, BATCH)
+  if kind == "device_local_rows":  # duplicates within a device's batch, none across devices
+    local_rows = rng.permutation(NUM_ROWS)[: NUM_DEVICES * 8].reshape(NUM_DEVICES, 8)
+    return np.concatenate([rng.choice(rows, LOCAL) for rows in local_rows])
   raise ValueError(kind)
 
 
@@ -75,12 +77,27 @@ OPTIMIZERS = {
     1e-2, weight_decay=0.1, amsgrad=True, per_row_bias_correction=True, maximize=True
   ),
   "bf16": lambda: osa.sparse_adam(1e-2),
-  # A lax.cond whose rejecting branch must build the routed update's type.
+  # A lax.cond whose rejecting branch must build the routed update's type (the
+  # second step's gradient holds a NaN: skipped).
   "apply_if_finite": lambda: osa.sparse_apply_if_finite(osa.sparse_adam(1e-2), 3),
+  # optax's own: its rejecting branch is zeros like the gradient, so the step is left
+  # to XLA's partitioner (with a warning), still one device's numbers.
+  "optax_apply_if_finite": lambda: optax.apply_if_finite(osa.sparse_adam(1e-2), 3),
   # Per-row state routed with the rows: a row-wise second moment, catch-up's last steps.
   "rowwise": lambda: osa.sparse_adam(1e-2, rowwise_second_moment=True),
   "catch_up": lambda: osa.sparse_adamw(1e-2, weight_decay=0.1, catch_up_idle_rows=True),
+  # bf16 moments rounded stochastically: keyed on global rows, so one device's bits
+  # (the fused CPU kernel on each shard; amsgrad: the XLA ops).
+  "stochastic": lambda: osa.sparse_adam(
+    1e-2, mu_dtype=jnp.bfloat16, nu_dtype=jnp.bfloat16, moment_rounding="stochastic"
+  ),
+  "stochastic_amsgrad": lambda: osa.sparse_adam(
+    1e-2, amsgrad=True, mu_dtype=jnp.bfloat16, nu_dtype=jnp.bfloat16, moment_rounding="stochastic"
+  ),
 }
+# Options checked bit for bit on ids whose rows each live in one device's batch
+# (a row summed across devices may round its moments the other way).
+EXACT_OPTIONS = ("stochastic", "stochastic_amsgrad")
 
 
 def collectives(hlo_text):
@@ -106,6 +123,8 @@ def train(opt_name, kind, *, mesh=None, batch_axis="x", batch=BATCH, seed=0):
     (ids_of(kind, rng).astype(np.int32)[:batch], rng.normal(size=(batch, DIM)).astype(np.float32))
     for _ in range(STEPS)
   ]
+  if "apply_if_finite" in opt_name:
+    batches[1][1][0, 0] = np.nan
   opt = OPTIMIZERS[opt_name]()
   if mesh is None:
     device = jax.devices()[0]
@@ -123,10 +142,13 @@ def train(opt_name, kind, *, mesh=None, batch_axis="x", batch=BATCH, seed=0):
   table = put_table(jnp.asarray(table0, dtype))
   state = opt.init({"table": table})
   jitted = jax.jit(step, donate_argnums=(0, 1))
-  for ids, rows in batches:
-    table, state = jitted(table, state, put_ids(ids), put_rows(jnp.asarray(rows, dtype)))
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    for ids, rows in batches:
+      table, state = jitted(table, state, put_ids(ids), put_rows(jnp.asarray(rows, dtype)))
   ids, rows = batches[0]
   hlo = jitted.lower(table, state, put_ids(ids), put_rows(jnp.asarray(rows, dtype)))
+  skipped = int(state.total_notfinite) if hasattr(state, "total_notfinite") else None
   state = getattr(state, "inner_state", state)
   arrays = {"table": table, "mu": state.mu["table"], "nu": state.nu["table"]}
   if state.nu_max is not None:
@@ -140,6 +162,8 @@ def train(opt_name, kind, *, mesh=None, batch_axis="x", batch=BATCH, seed=0):
     "specs": {k: str(getattr(v.sharding, "spec", None)) for k, v in arrays.items()},
     "collectives": collectives(hlo.compile().as_text()),
     "compilations": jitted._cache_size(),
+    "skipped_steps": skipped,
+    "warnings": [str(w.message) for w in caught],
   }
 
 
@@ -267,6 +291,19 @@ def flax_nnx():
     return np.asarray(model.users.embedding.get_value()), hlo
 
   reference, _ = run(None)
+  mesh = jax.make_mesh((NUM_DEVICES,), ("x",), axis_types=(AxisType.Auto,))
+  with osa.sharded_routing(auto_axis="x"), tracing_routed() as traced:
+    table, hlo = run(mesh)
+  return {
+    "max_abs_diff": float(np.max(np.abs(table - reference))),
+    "routed": sorted(set(traced)),
+    "collectives": collectives(hlo),
+  }
+
+
+@contextlib.contextmanager
+def tracing_routed():
+  """Within the block, the list of the routed functions traced (step, apply, lookup)."""
   traced = []
   masked_step, scatter_add = routed.masked_step, routed.scatter_add
   routed_lookup = lookup._routed_lookup
@@ -274,17 +311,156 @@ def flax_nnx():
   routed.scatter_add = lambda *a, **k: traced.append("apply") or scatter_add(*a, **k)
   lookup._routed_lookup = lambda *a, **k: traced.append("lookup") or routed_lookup(*a, **k)
   try:
-    mesh = jax.make_mesh((NUM_DEVICES,), ("x",), axis_types=(AxisType.Auto,))
-    with osa.sharded_routing(auto_axis="x"):
-      table, hlo = run(mesh)
+    yield traced
   finally:
     routed.masked_step, routed.scatter_add = masked_step, scatter_add
     lookup._routed_lookup = routed_lookup
-  return {
-    "max_abs_diff": float(np.max(np.abs(table - reference))),
+
+
+def front_ends():
+  """Linen tables, the NNX and Linen bags, and the torch adapter's SparseAdam on a row-sharded
+  table, against one device: the largest difference of the trained table and what was
+  routed. The Flax ones under `Auto` axes with `auto_axis`, the adapter under `Explicit`."""
+  results = {}
+  rng = np.random.default_rng(4)
+  # Three ids per example (bags of 3; the plain tables look all three up), some padding.
+  batches = [
+    (
+      np.stack(
+        [ids_of(kind, rng) for kind in ("cross_device_duplicates", "uniform", "out_of_range")],
+        -1,
+      ).astype(np.int32),
+      rng.normal(size=BATCH).astype(np.float32),
+    )
+    for _ in range(STEPS)
+  ]
+  auto = jax.make_mesh((NUM_DEVICES,), ("x",), axis_types=(AxisType.Auto,))
+
+  def put_batch(x):
+    return jax.device_put(x, NamedSharding(auto, P("x", *[None] * (x.ndim - 1))))
+
+  try:
+    import flax.linen as nn
+    from flax import nnx
+  except ImportError:
+    nn = nnx = None
+  if nnx is not None:
+
+    class NNXBag(nnx.Module):
+      def __init__(self, rngs):
+        self.bag = osa.SparseEmbedBag(NUM_ROWS, DIM, mode="sum", rngs=rngs)
+
+      def __call__(self, ids):
+        return self.bag(ids).sum(-1)
+
+    def nnx_run(sharded):
+      model = NNXBag(nnx.Rngs(0))
+      initial = np.asarray(model.bag.embedding.get_value())
+      put = put_batch if sharded else jnp.asarray
+      if sharded:
+        table = model.bag.embedding
+        table.set_value(jax.device_put(table.get_value(), NamedSharding(auto, P("x", None))))
+      optimizer = osa.SparseOptimizer(model, osa.sparse_adam(1e-2), wrt=nnx.Param)
+
+      @nnx.jit
+      def step(model, optimizer, ids, targets):
+        def loss_fn(model):
+          return jnp.mean((model(ids) - targets) ** 2)
+
+        _, grads = osa.sparse_value_and_grad(loss_fn)(model)
+        optimizer.update(model, grads)
+
+      for ids, targets in batches:
+        step(model, optimizer, put(ids), put(targets))
+      return initial, np.asarray(model.bag.embedding.get_value())
+
+    class LinenModel(nn.Module):
+      bag: bool
+
+      @nn.compact
+      def __call__(self, ids):
+        if self.bag:
+          pooled = osa.LinenSparseEmbedBag(NUM_ROWS, DIM, mode="mean", name="table")(ids)
+        else:
+          pooled = osa.LinenSparseEmbed(NUM_ROWS, DIM, name="table")(ids).sum(1)
+        return nn.Dense(1)(pooled)[..., 0]
+
+    def linen_run(sharded, bag):
+      model = LinenModel(bag)
+      params = model.init(jax.random.key(0), jnp.zeros((2, 3), jnp.int32))["params"]
+      initial = np.asarray(params["table"]["embedding"].unbox())
+      put = put_batch if sharded else jnp.asarray
+      if sharded:
+        box = params["table"]["embedding"]
+        table = jax.device_put(box.unbox(), NamedSharding(auto, P("x", None)))
+        params["table"]["embedding"] = box.replace_boxed(table)
+      tx = optax.multi_transform(
+        {"sparse": osa.sparse_adam(1e-2), "dense": optax.adam(1e-2)}, osa.table_labels
+      )
+      state = osa.SparseTrainState.create(apply_fn=model.apply, params=params, tx=tx)
+
+      @jax.jit
+      def step(state, ids, targets):
+        def loss_fn(params):
+          return jnp.mean((state.apply_fn({"params": params}, ids) - targets) ** 2)
+
+        _, grads = osa.sparse_value_and_grad(loss_fn)(state.params)
+        return state.apply_gradients(grads=grads)
+
+      for ids, targets in batches:
+        state = step(state, put(ids), put(targets))
+      return initial, np.asarray(state.params["table"]["embedding"].unbox())
+
+    runs = {
+      "nnx_bag": nnx_run,
+      "linen_table": lambda sharded: linen_run(sharded, bag=False),
+      "linen_bag": lambda sharded: linen_run(sharded, bag=True),
+    }
+    for name, run in runs.items():
+      initial, reference = run(False)
+      with osa.sharded_routing(auto_axis="x"), tracing_routed() as traced:
+        _, table = run(True)
+      results[name] = {
+        "max_abs_diff": float(np.max(np.abs(table - reference))),
+        "rows_changed": int(np.sum(np.any(reference != initial, axis=1))),
+        "routed": sorted(set(traced)),
+      }
+
+  from optax_sparse_adam.torch_compat import Parameter, SparseAdam
+
+  explicit = jax.make_mesh((NUM_DEVICES,), ("x",), axis_types=(AxisType.Explicit,))
+  table0 = rng.normal(size=(NUM_ROWS, DIM)).astype(np.float32)
+  grads = [
+    (ids_of("cross_device_duplicates", rng).astype(np.int32), rng.normal(size=(BATCH, DIM)))
+    for _ in range(STEPS)
+  ]
+
+  def torch_run(mesh):
+    def put(x, spec):
+      if mesh is None:
+        return jnp.asarray(x)
+      return jax.device_put(x, NamedSharding(mesh, spec))
+
+    param = Parameter(put(table0, P("x", None)))
+    opt = SparseAdam([param], lr=1e-2)
+    for ids, values in grads:
+      param.grad = sparse.BCOO(
+        (put(values.astype(np.float32), P("x", None)), put(ids[:, None], P("x", None))),
+        shape=table0.shape,
+      )
+      opt.step()
+    return param.data
+
+  reference = np.asarray(torch_run(None))
+  with jax.set_mesh(explicit), tracing_routed() as traced:
+    data = torch_run(explicit)
+  results["torch_sparse_adam"] = {
+    "max_abs_diff": float(np.max(np.abs(np.asarray(data) - reference))),
+    "rows_changed": int(np.sum(np.any(reference != table0, axis=1))),
     "routed": sorted(set(traced)),
-    "collectives": collectives(hlo),
+    "spec": str(data.sharding.spec),
   }
+  return results
 
 
 def main():
@@ -299,8 +475,11 @@ def main():
   cases = [("plain", kind, "explicit", 2.0) for kind in kinds]
   cases += [("plain", kind, "explicit", 1.0) for kind in ("one_owner", "zipf", "spread_to_all")]
   cases += [("plain", kind, "auto", 2.0) for kind in ("uniform", "one_owner")]
-  options = [name for name in OPTIMIZERS if name != "plain"]
+  options = [name for name in OPTIMIZERS if name not in ("plain", *EXACT_OPTIONS)]
+  cases += [("optax_apply_if_finite", "cross_device_duplicates", "auto", 2.0)]
   cases += [(name, "cross_device_duplicates", "explicit", 2.0) for name in options]
+  cases += [(name, "device_local_rows", "explicit", 2.0) for name in EXACT_OPTIONS]
+  cases += [("stochastic", "one_owner", "explicit", 2.0), ("stochastic", "zipf", "auto", 1.0)]
   cases += [("all_options", "one_owner", "explicit", 2.0), ("all_options", "zipf", "auto", 1.0)]
   references = {}
   for opt_name, kind, mode, capacity_factor in cases:
@@ -336,6 +515,7 @@ def main():
   explicit = jax.make_mesh((NUM_DEVICES,), ("x",), axis_types=(AxisType.Explicit,))
   results["lookups"] = lookups()
   results["flax_nnx"] = flax_nnx()
+  results["front_ends"] = front_ends()
   results["apply_foreign"] = apply_foreign_update(explicit)
   json.dump(results, sys.stdout)
 

@@ -7,15 +7,12 @@ few steps under each layout and mesh mode, and again on one device, and reports
 the differences, the shardings, the collectives in the compiled step and the
 per-device memory; the test asserts on them.
 
-  python tests/core/_sharded_checks.py   # prints one JSON object
+  PYTHONPATH=. python tests/core/_sharded_checks.py   # prints one JSON object
 """
 
-import os
+from tests.core._forced_devices import force_cpu_devices
 
-os.environ["XLA_FLAGS"] = (
-  os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-).strip()
-os.environ["JAX_PLATFORMS"] = "cpu"
+force_cpu_devices(8)
 
 import contextlib  # noqa: E402
 import json  # noqa: E402

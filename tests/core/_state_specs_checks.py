@@ -7,15 +7,12 @@ three jitted steps with the state's shardings as in and out shardings, and repor
 state leaf's spec and shard shape, the number of compilations, and the largest difference
 from the same steps on one device.
 
-  python tests/core/_state_specs_checks.py   # prints one JSON object
+  PYTHONPATH=. python tests/core/_state_specs_checks.py   # prints one JSON object
 """
 
-import os
+from tests.core._forced_devices import force_cpu_devices
 
-os.environ["XLA_FLAGS"] = (
-  os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
-).strip()
-os.environ["JAX_PLATFORMS"] = "cpu"
+force_cpu_devices(4)
 
 import json  # noqa: E402
 

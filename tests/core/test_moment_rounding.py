@@ -291,3 +291,42 @@ def test_every_path_stores_the_same_bits(dtypes, mode, rowwise):
   grads[1] = sparse.BCOO((jnp.asarray(data), grads[1].indices), shape=grads[1].shape)
   runs = [_bits(_train(opt, grads, params, path=p)) for p in PATHS]
   assert runs[0] == runs[1] == runs[2]
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("rowwise", [False, True], ids=["full", "rowwise"])
+def test_a_shard_given_its_first_row_draws_the_whole_tables_bits(path, rowwise):
+  """A step on the upper half of a table with `row_offset` = its first global row (as the
+  routed step gives each shard) stores the bits of that half of the whole table's step."""
+  from optax_sparse_adam._backends import dispatch
+  from optax_sparse_adam._core import adam, bcoo, rowwise_adam, rules
+
+  num_rows, dim, half = 64, 16, 32
+  rng = np.random.default_rng(5)
+  rows = jnp.asarray(rng.integers(half, num_rows, 40), jnp.int32)  # upper half only
+  values = jnp.asarray(rng.standard_normal((40, dim)), jnp.float32)
+  rule = rowwise_adam.RowwiseAdamRule() if rowwise else adam.AdamRule()
+  config = rules.StepConfig(moment_rounding="stochastic")
+  hyper = adam.hyperparams_of(adam.adam_coefficients(1e-2, 0.9, 0.999, 1e-8))
+
+  def step(rows, tables, num_rows, row_offset):
+    plan = rules.StepPlan(bcoo.RowLayout((num_rows,), (dim,)), rule, config)
+    inputs = rules.StepInputs(rows, values, tables, jnp.int32(3), hyper, None, row_offset)
+    return jax.jit(dispatch.masked_step, static_argnums=1)(inputs, plan).tables.slots
+
+  def tables(n):
+    full = jnp.asarray(rng.standard_normal((n, dim)), jnp.bfloat16)
+    nu = jnp.abs(full[:, 0]) if rowwise else jnp.abs(full)
+    return rules.Tables({"mu": full, "nu": nu})
+
+  whole = tables(num_rows)
+  upper = rules.Tables({name: table[half:] for name, table in whole.slots.items()})
+  with _path(path):
+    expected = step(rows, whole, num_rows, None)
+    shard = step(rows - half, upper, half, jnp.int32(half))
+    unshifted = step(rows - half, upper, half, None)
+  for name in ("mu", "nu"):
+    got, want = np.asarray(shard[name]), np.asarray(expected[name][half:])
+    np.testing.assert_array_equal(got.view(np.uint16), want.view(np.uint16), err_msg=name)
+  # Without the offset the shard's rows hash as rows 0..31: other bits.
+  assert not np.array_equal(np.asarray(unshifted["mu"]), np.asarray(expected["mu"][half:]))

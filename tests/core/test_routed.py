@@ -4,20 +4,14 @@ The runs happen in a subprocess (tests/core/_routed_checks.py), as in
 tests/core/test_sharding.py; this process keeps its single device.
 """
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import optax_sparse_adam as osa
 from optax_sparse_adam._core import routing
+from tests.core._forced_devices import run_checks
 
-ROOT = Path(__file__).resolve().parents[2]
 # Float32: a row's entries on several devices are summed per device first, then
 # the devices' sums in device order, where one device adds them one by one.
 F32_ATOL = 1e-6
@@ -27,16 +21,7 @@ BF16_RELATIVE = 2.0**-5
 
 @pytest.fixture(scope="module")
 def checks():
-  done = subprocess.run(
-    [sys.executable, str(ROOT / "tests" / "core" / "_routed_checks.py")],
-    capture_output=True,
-    text=True,
-    env=dict(os.environ, PYTHONPATH=str(ROOT)),
-    timeout=600,
-    check=False,
-  )
-  assert done.returncode == 0, done.stderr[-4000:]
-  return json.loads(done.stdout)
+  return run_checks("_routed_checks.py", timeout=600)
 
 
 ROUTED_RUNS = [
@@ -69,10 +54,21 @@ ROUTED_RUNS += [
   )
 ]
 ROUTED_RUNS += ["explicit/all_options/one_owner/cf2", "auto/all_options/zipf/cf1"]
+STOCHASTIC_RUNS = [
+  "explicit/stochastic/device_local_rows/cf2",
+  "explicit/stochastic_amsgrad/device_local_rows/cf2",
+  "explicit/stochastic/one_owner/cf2",
+  "auto/stochastic/zipf/cf1",
+]
+ROUTED_RUNS += STOCHASTIC_RUNS
 ROUTED_RUNS += ["two_axes/batch_over_x"]
 
 
+OPTAX_APPLY_IF_FINITE_RUNS = [
+  f"{mode}/optax_apply_if_finite/cross_device_duplicates/cf2" for mode in ("explicit", "auto")
+]
 UNROUTED_RUNS = ["two_axes/batch_over_y", "auto/replicated_batch_of_250"]
+UNROUTED_RUNS += OPTAX_APPLY_IF_FINITE_RUNS
 
 
 def test_every_run_is_reported(checks):
@@ -88,7 +84,10 @@ def test_routed_training_matches_one_device(checks, run):
       assert relative <= BF16_RELATIVE, (name, diff, relative)
     else:
       assert diff <= F32_ATOL, (name, diff)
-  assert result["compilations"] == 1
+  # optax.apply_if_finite's init puts its counters on one device, and its first step
+  # returns them on the mesh (under `Auto` axes): optax's second compilation, routed or not.
+  optax_counters = run == "auto/optax_apply_if_finite/cross_device_duplicates/cf2"
+  assert result["compilations"] == (2 if optax_counters else 1)
 
 
 @pytest.mark.parametrize(
@@ -97,6 +96,16 @@ def test_routed_training_matches_one_device(checks, run):
 def test_an_overflowing_step_sums_in_one_devices_order(checks, run):
   """All ids of all devices on one owner overflow every bucket: the overflow path
   sums each row's entries in global input order and matches one device bit for bit."""
+  for name, (diff, _) in checks["runs"][run]["max_abs_diff"].items():
+    assert diff == 0.0, name
+
+
+@pytest.mark.parametrize("run", STOCHASTIC_RUNS)
+def test_stochastic_rounding_routed_draws_one_devices_bits(checks, run):
+  """bf16 moments rounded stochastically: each shard keys its rows' bits on their global
+  rows (`StepInputs.row_offset`), so the routed step stores one device's bits, on the
+  routed path (rows each in one device's batch), the overflow path (one owner) and both
+  (Zipf ids, capacity factor 1, `Auto` axes)."""
   for name, (diff, _) in checks["runs"][run]["max_abs_diff"].items():
     assert diff == 0.0, name
 
@@ -138,6 +147,23 @@ def test_a_batch_split_otherwise_or_not_divisible_is_left_to_xla(checks, run):
   assert "all-to-all" not in [op for op, _, _ in collectives]
 
 
+@pytest.mark.parametrize(
+  "run", [*OPTAX_APPLY_IF_FINITE_RUNS, "explicit/apply_if_finite/cross_device_duplicates/cf2"]
+)
+def test_apply_if_finite_skips_the_nonfinite_step_of_a_row_sharded_table(checks, run):
+  """The second step's gradient holds a NaN: skipped, as on one device. optax's own
+  `apply_if_finite` builds its rejecting branch from the gradient's entries, which a
+  routed update cannot match: that step is left to XLA's partitioner, with a warning
+  naming `osa.sparse_apply_if_finite` (which routes)."""
+  result = checks["runs"][run]
+  assert result["skipped_steps"] == 1
+  warned = [w for w in result["warnings"] if "osa.sparse_apply_if_finite" in w]
+  if run.split("/")[1] == "optax_apply_if_finite":
+    assert warned and "'table'" in warned[0], result["warnings"]
+  else:
+    assert not warned, result["warnings"]
+
+
 def test_a_replicated_batch_under_auto_axis_is_split_and_routed(checks):
   collectives = checks["runs"]["auto/replicated_batch_of_256"]["collectives"]
   assert "all-to-all" in [op for op, _, _ in collectives]
@@ -159,6 +185,27 @@ def test_capacity_is_a_multiple_of_the_even_share_at_most_the_local_entries(
   local, shards, factor, expected
 ):
   assert routing.capacity(local, shards, factor) == expected
+
+
+@pytest.mark.parametrize(
+  ("local", "shards", "expected"),
+  [
+    (2048, 8, 346),  # 256 + 6 * sqrt(256 * 7 / 8) = 345.8
+    (2048, 4, 630),  # 512 + 6 * sqrt(512 * 3 / 4) = 629.6
+    (2048, 2, 1160),  # 1024 + 6 * sqrt(1024 / 2) = 1159.8
+    (256, 8, 64),  # 32 + 6 * 5.3 > 2 * 32: twice the share
+    (32, 8, 8),
+    (3, 2, 3),  # at most the local entries
+  ],
+)
+def test_the_default_capacity_is_six_deviations_over_the_share_at_most_twice_it(
+  local, shards, expected
+):
+  """Sized for uniform ids (a binomial count per owner); never above capacity factor 2,
+  so no more bytes and, for uniform ids, no more overflowing steps than that."""
+  capacity = routing.capacity(local, shards, None)
+  assert capacity == expected
+  assert capacity <= routing.capacity(local, shards, 2.0)
 
 
 def test_a_capacity_factor_below_one_is_refused():
@@ -184,7 +231,7 @@ def test_sharded_lookup_is_table_of_ids(checks, run):
 def test_sharded_lookup_sends_ids_out_and_rows_back(checks, run):
   """Outside the overflow path: an all-to-all of the capacity's ids, one of their rows,
   and a scalar flag."""
-  slots = 8 * routing.capacity(checks["local"], 8, 2.0)
+  slots = 8 * routing.capacity(checks["local"], 8, None)  # the default capacity
   routed_path = [
     (op, size) for op, size, overflow in checks["lookups"][run]["collectives"] if not overflow
   ]
@@ -224,6 +271,26 @@ def test_a_flax_nnx_table_row_sharded_is_looked_up_and_stepped_routed_as_on_one_
   assert all(size <= 2 * checks["dim"] for op, size in routed_path if op != "all-to-all"), (
     routed_path
   )
+
+
+FRONT_ENDS = ["nnx_bag", "linen_table", "linen_bag", "torch_sparse_adam"]
+
+
+@pytest.mark.parametrize("front_end", FRONT_ENDS)
+def test_front_ends_on_a_row_sharded_table_route_and_match_one_device(checks, front_end):
+  """NNX `SparseEmbedBag` (sum), Linen `LinenSparseEmbed` and `LinenSparseEmbedBag` (mean)
+  with `SparseTrainState` (bags of 3 ids, some padding; `Auto` axes with `auto_axis`), and
+  the torch adapter's `SparseAdam` on a row-sharded `Parameter` (`Explicit` axes): 3
+  steps, routed, against one device."""
+  result = checks["front_ends"].get(front_end)
+  if result is None:
+    pytest.skip("flax is not installed")
+  assert result["max_abs_diff"] <= F32_ATOL
+  assert result["rows_changed"] >= 12  # the steps moved the rows they touched
+  expected = ["apply", "step"] if front_end == "torch_sparse_adam" else ["apply", "lookup", "step"]
+  assert result["routed"] == expected
+  if front_end == "torch_sparse_adam":
+    assert result["spec"] == "P('x', None)"
 
 
 @pytest.mark.parametrize("row_shape", [(), (3,), (2, 2)])
@@ -275,3 +342,14 @@ def test_chunk_reads_fill_past_the_end():
   x = jnp.arange(5)
   np.testing.assert_array_equal(routing.chunk(x, jnp.int32(1), 3, -1), [3, 4, -1])
   np.testing.assert_array_equal(routing.chunk(x, jnp.int32(0), 3, -1), [0, 1, 2])
+
+
+def test_the_step_finds_optax_apply_if_finite_s_accepting_branch():
+  """The routed step recognises `optax.apply_if_finite`'s cond by its branch's code; an
+  optax that renamed it would fail here, not silently (JAX's cond would then refuse the
+  routed update's shape at trace time)."""
+  from optax_sparse_adam._optax import leaf
+
+  code = leaf._optax_apply_if_finite_branch()
+  assert code is not None and code.co_name == "do_update"
+  assert not leaf._inside_optax_apply_if_finite()

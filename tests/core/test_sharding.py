@@ -17,6 +17,7 @@ from jax.sharding import PartitionSpec as P
 
 import optax_sparse_adam as osa
 from optax_sparse_adam._core import sharding
+from tests.core._forced_devices import run_checks
 
 ROOT = Path(__file__).resolve().parents[2]
 NUM_DEVICES = 8
@@ -27,17 +28,7 @@ TABLE_SPECS = {"row": "P('x', None)", "col": "P(None, 'x')", "replicated": "P(No
 
 @pytest.fixture(scope="module")
 def checks():
-  env = dict(os.environ, PYTHONPATH=str(ROOT))
-  done = subprocess.run(
-    [sys.executable, str(ROOT / "tests" / "core" / "_sharded_checks.py")],
-    capture_output=True,
-    text=True,
-    env=env,
-    timeout=300,
-    check=False,
-  )
-  assert done.returncode == 0, done.stderr[-4000:]
-  return json.loads(done.stdout)
+  return run_checks("_sharded_checks.py", timeout=300)
 
 
 RUNS = [

@@ -4,15 +4,10 @@ The checks run in a subprocess (tests/core/_state_specs_checks.py) because the d
 count is fixed when JAX starts; this process keeps its single device.
 """
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.core._forced_devices import run_checks
+
 RUNS = ["sparse_adam", "sparse_adamw_amsgrad", "per_row_bias_correction", "chain_inject_plateau"]
 TABLE_SPECS = {"rows": "P('x', None)", "cols": "P(None, 'x')"}
 # The state leaves that follow a parameter, by where their path ends.
@@ -21,16 +16,7 @@ FOLLOWING = ("mu", "nu", "nu_max")
 
 @pytest.fixture(scope="module")
 def checks():
-  done = subprocess.run(
-    [sys.executable, str(ROOT / "tests" / "core" / "_state_specs_checks.py")],
-    capture_output=True,
-    text=True,
-    env=dict(os.environ, PYTHONPATH=str(ROOT)),
-    timeout=300,
-    check=False,
-  )
-  assert done.returncode == 0, done.stderr[-4000:]
-  return json.loads(done.stdout)
+  return run_checks("_state_specs_checks.py", timeout=300)
 
 
 def test_subprocess_has_four_devices(checks):

@@ -301,8 +301,10 @@ void CoalescedRowsStep(const int32_t* rows, int64_t nse, const float* values, in
 // rows of `row_size` contiguous values. Inputs: rows int32 (nse,), values f32
 // (nse, ...) of nse * row_size values, mu (a table) and nu (a table, or one
 // value per row) in f32 or bf16, coeffs f32 = (1 - b1, 1 - b2, eps, then the
-// rule's), keys u32 (2,): mu's and nu's keys of this step for stochastic
-// rounding (`rounding.step_key`), read when `stochastic` (bf16 tables only).
+// rule's), keys u32 (3,): mu's and nu's keys of this step for stochastic
+// rounding (`rounding.step_key`) and the tables' first global row (added to a
+// row in its key: a shard hashes global rows), read when `stochastic` (bf16
+// tables only).
 // Outputs: as `CoalescedRowsStep`; mu and nu, updated in the touched rows
 // (aliased to the inputs, so in place when donated).
 struct MomentStep {
@@ -339,12 +341,13 @@ ffi::Error RunMomentStep(MomentStep& step, Update update) {
   if (step.coeffs.element_count() != kNumCoeffs) {
     return ffi::Error::InvalidArgument("coeffs has the wrong size for this rule");
   }
-  if (step.keys.element_count() != 2) return ffi::Error::InvalidArgument("keys must be (2,)");
+  if (step.keys.element_count() != 3) return ffi::Error::InvalidArgument("keys must be (3,)");
   // Without donation XLA gives fresh output buffers: start from the inputs.
   CopyIfNotAliased(step.mu, step.mu_out);
   CopyIfNotAliased(step.nu, step.nu_out);
   const uint32_t mu_key = step.keys.typed_data()[0];
   const uint32_t nu_key = step.keys.typed_data()[1];
+  const uint32_t row_offset = step.keys.typed_data()[2];
   const auto run = [&](auto mu_t, auto nu_t, auto rounding) {
     using MuT = decltype(mu_t);
     using NuT = decltype(nu_t);
@@ -360,7 +363,8 @@ ffi::Error RunMomentStep(MomentStep& step, Update update) {
         },
         [&](int64_t row, float* g) {
           update(rounding, m + row * row_size, v + row * nu_row_size, g, row_size,
-                 kStochastic ? RowKey(mu_key, row) : 0u, kStochastic ? RowKey(nu_key, row) : 0u);
+                 kStochastic ? RowKey(mu_key, row + row_offset) : 0u,
+                 kStochastic ? RowKey(nu_key, row + row_offset) : 0u);
         });
     return ffi::Error::Success();
   };

@@ -204,10 +204,13 @@ def _plain_step_applies(inputs: StepInputs, plan: StepPlan) -> bool:
 
 
 def _rounding_keys(inputs: StepInputs, plan: StepPlan) -> jax.Array:
-  """uint32 `(2,)`: mu's and nu's stochastic-rounding keys of this step (read if stochastic)."""
+  """uint32 `(3,)`: mu's and nu's stochastic-rounding keys of this step and the tables'
+  first global row (`StepInputs.row_offset`), read if stochastic."""
   step = inputs.step if inputs.step is not None else jnp.zeros((), jnp.int32)
   names = [slot.name for slot in plan.rule.slots()]
-  return jnp.stack([rounding.step_key(step, names.index(name)) for name in ("mu", "nu")])
+  keys = [rounding.step_key(step, names.index(name)) for name in ("mu", "nu")]
+  offset = inputs.row_offset if inputs.row_offset is not None else 0
+  return jnp.stack([*keys, jnp.asarray(offset).astype(jnp.uint32)])
 
 
 def _adam_applies(inputs: StepInputs, plan: StepPlan) -> bool:
