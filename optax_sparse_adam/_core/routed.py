@@ -197,7 +197,6 @@ def masked_step(
   rows, values, tables = inputs.rows, inputs.values, inputs.tables
   num_rows = layout.num_rows
   rows_per_shard = num_rows // num_shards
-  local_entries = rows.shape[0] // num_shards
   slots = num_shards * capacity  # the update's slots per device
   local_plan = plan._replace(layout=bcoo.RowLayout((rows_per_shard,), layout.dense_shape))
   # What a shard's step reads and writes, split by rows (the parameter is read only).
@@ -222,6 +221,7 @@ def masked_step(
 
   def body(rows, values, carried, param, replicated):
     shard = lax.axis_index(axis)
+    local_entries = rows.shape[0]
     coalesced = coalesce.coalesce_rows(rows, values, num_rows)
     buckets = routing.bucket_by_owner(
       coalesced, num_rows=num_rows, num_shards=num_shards, capacity=capacity
@@ -295,9 +295,9 @@ def masked_step(
     return jax.tree.map(lambda x: _row_spec(axis, x.ndim), tree)
 
   replicated_specs = jax.tree.map(lambda _: PartitionSpec(), replicated_inputs)
-  new_rows, delta, new_tables = jax.shard_map(
+  new_rows, delta, new_tables = per_shard(
     body,
-    mesh=route.mesh,
+    route.mesh,
     in_specs=(
       PartitionSpec(axis),
       _row_spec(axis, values.ndim),
@@ -310,7 +310,6 @@ def masked_step(
       _row_spec(axis, values.ndim),
       row_specs(carried_tables),
     ),
-    check_vma=False,
   )(rows, values, carried_tables, tables.param, replicated_inputs)
   return RowsStep(new_rows, delta, new_tables)
 
@@ -360,13 +359,23 @@ def scatter_add(
 
   rows = bcoo.linear_rows(update.indices, layout)
   table_spec = _row_spec(axis, param.ndim)
-  return jax.shard_map(
+  return per_shard(
     body,
-    mesh=plan.mesh,
+    plan.mesh,
     in_specs=(table_spec, PartitionSpec(axis), _row_spec(axis, update.data.ndim)),
     out_specs=table_spec,
-    check_vma=False,
   )(param, rows, update.data)
+
+
+def per_shard(body: Callable[..., Any], mesh: Any, *, in_specs: Any, out_specs: Any) -> Any:
+  """`body` run on each shard of `mesh`; `body` itself where `mesh` is None.
+
+  A None mesh means the caller already runs per shard, with the axis bound
+  (`auto_partition` lowers a step for the shardings XLA's partitioner chose).
+  """
+  if mesh is None:
+    return body
+  return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
 
 
 def _row_spec(axis: str, ndim: int) -> PartitionSpec:
