@@ -29,11 +29,12 @@ The tables ride a `while_loop` (one round unless the step overflows), not a
 `cond`: XLA updates a loop's carry in place, but copies a table that a cond's
 branch both reads and writes.
 
-Routing is chosen when the arrays' shardings are known at trace time: concrete
-arrays, and arrays typed on a mesh with `Explicit` axes. Under `Auto` axes a
-traced array's type does not say how XLA will split it;
-`sharded_routing(auto_axis=...)` declares the axis, and
-`sharded_routing(False)` turns routing off.
+Routing is chosen at trace time where the arrays' shardings are known there:
+concrete arrays, and arrays typed on a mesh with `Explicit` axes. Under `Auto`
+axes a traced array's type does not say how XLA will split it: there
+`auto_partition` runs this step per shard once the partitioner has chosen the
+shardings; `sharded_routing(auto_axis=...)` declares the axis at trace time
+instead, and `sharded_routing(False)` turns routing off.
 """
 
 from __future__ import annotations
@@ -100,12 +101,15 @@ def sharded_routing(
   A device sends and receives `capacity_factor` times its local entries, and
   computes on as many rows, whatever the number of devices (docs/sharding.md).
 
-  Routing is chosen at trace time from what is known there: the sharding of
-  concrete arrays, and the types of values traced under a mesh with
-  `Explicit` axes. Under `Auto` axes a traced value's type does not say how it
-  is split, so name the axis with `auto_axis`: tables and entries on a mesh
-  with that axis are then taken to be split by rows over it (a table split
-  otherwise is resharded, at the cost of moving it).
+  Routing is chosen from the sharding of concrete arrays, and from the types of
+  values traced under a mesh with `Explicit` axes. Under `Auto` axes (a mesh of
+  one axis of several devices) the step, `apply_updates` and `sharded_lookup`
+  are lowered per device once XLA's partitioner has chosen their shardings:
+  routed where the table is split by rows, kept as laid out where it is
+  replicated or split on its columns (docs/sharding.md). With `auto_axis`,
+  tables and entries on a mesh with that axis are instead taken at trace time
+  to be split by rows over it (a table split otherwise is resharded, at the
+  cost of moving it).
 
   A step in which some device holds more distinct rows for one owner than its
   capacity (`capacity_factor` times its even share) is not dropped: it
