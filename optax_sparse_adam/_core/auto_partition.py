@@ -3,23 +3,27 @@
 Under `jax.jit` with `Auto` axes (arrays placed with
 `jax.device_put(x, NamedSharding(mesh, P('x', None)))`), a traced array's type
 names its mesh but not how it is split: that is decided later, by sharding
-propagation. The step and the apply of such a table are therefore wrapped in
-`jax.experimental.custom_partitioning`: the partitioner calls `partition`
+propagation. The step, the apply and the lookup of such a table are therefore
+custom-partitioned ops (`partitioned.call`): the partitioner calls `partition`
 with the shardings it chose for the operands, and the op is lowered per shard:
 
-- the table and its slots split by rows over the mesh's one axis: the routed
-  step (`routed.masked_step`) and apply (`routed.scatter_add`), per shard; the
-  gradient's entries are taken split over that axis (entries held whole are
-  sliced; entries split otherwise are moved, O(entries) bytes);
+- the table and its state split by rows over the mesh's one axis: the routed
+  step (`routed.masked_step`), apply (`routed.scatter_add`) and lookup, per
+  shard; the gradient's entries are taken split over that axis (entries held
+  whole are sliced; entries split otherwise are moved, O(entries) bytes);
 - every table replicated: the step of one device, on every device, with the
   entries gathered (as XLA's partitioning of the step gathers them);
-- any other split (columns, part of the tables): the tables are gathered for
-  the step and the results split back as the partitioner asks. Correct, at the
-  cost of moving the tables; `sharded_routing(False)` leaves the step to XLA.
+- the rows whole and the other dims split alike (columns), for a rule whose
+  slots are all parameter-shaped: each device steps its block of columns;
+- any other layout (a per-row slot on split columns, tables split unlike each
+  other): the tables are gathered for the op, with a warning, and the results
+  split back as the partitioner asks; `sharded_routing(False)` leaves the step
+  to XLA instead.
 
-Outside `jax.jit`'s partitioner (one device, a concrete call) the op is the
-unrouted step. Its update has the routed step's number of slots in every case
-(the unrouted step's padded), so a step's shapes do not depend on the choice.
+Outside the partitioner (one device) the op is the unrouted step; a step that
+is itself vmapped or differentiated is too. Its update has the routed step's
+number of slots in every case (the unrouted step's padded): its shape is fixed
+before the partitioner chooses.
 """
 
 from __future__ import annotations
@@ -116,7 +120,7 @@ def masked_step(
     return (result.rows, result.delta, *jax.tree.leaves(result.tables))
 
   def whole_step(*arrays: jax.Array) -> tuple[jax.Array, ...]:
-    # The whole rows; the whole columns too, or a block of them (`_columns`).
+    # The whole rows; the whole columns too, or a block of them (`partitioned.columns`).
     inputs = rebuild(arrays)
     layout = bcoo.RowLayout(plan.layout.sparse_shape, inputs.values.shape[1:])
     result = local_step(inputs, plan._replace(layout=layout))
@@ -204,7 +208,7 @@ def scatter_add(
 
   def whole_add(param: jax.Array, data: jax.Array, indices: jax.Array) -> tuple[jax.Array]:
     rows = bcoo.linear_rows(indices, layout)
-    # The whole columns, or a block of them (`_columns`).
+    # The whole columns, or a block of them (`partitioned.columns`).
     local = bcoo.RowLayout(layout.sparse_shape, data.shape[1:])
     added = local_scatter_add(
       param, rows, data, layout=local, rows_unique=unique, rows_sorted=is_sorted

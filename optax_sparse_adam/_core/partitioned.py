@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jax.experimental import custom_partitioning as cp
 from jax.sharding import NamedSharding, PartitionSpec
 
-from optax_sparse_adam._core import routed
+from optax_sparse_adam._core import routed, sharding
 
 # How an operand's sharding reads: split by rows over the axis, whole, or other.
 ROWS, WHOLE, OTHER = "rows", "whole", "other"
@@ -77,7 +77,8 @@ def call(
     replicated = NamedSharding(mesh, PartitionSpec())
 
     def lowered(*args: jax.Array) -> Any:
-      return body(*args[:num_operands])
+      with sharding.lowering_per_shard():  # the CPU kernels may run on a shard
+        return body(*args[:num_operands])
 
     return mesh, lowered, out_shardings, (*in_shardings, *[replicated] * len(consts))
 

@@ -136,7 +136,10 @@ def sharded_routing(
 
 
 class Plan(NamedTuple):
-  """How a leaf is routed: the mesh axis, its mesh and size, and the slots per owner."""
+  """How a leaf is routed: the mesh axis, its mesh and size, and the slots per owner.
+
+  A None mesh: the step is already lowered per shard (`auto_partition`).
+  """
 
   axis: str
   mesh: Any

@@ -140,7 +140,8 @@ def train(opt_name, kind, *, mesh=None, batch_axis="x", batch=BATCH, seed=0, tab
   return {
     "arrays": {k: np.asarray(v.astype(jnp.float32)) for k, v in arrays.items()},
     "specs": {k: str(getattr(v.sharding, "spec", None)) for k, v in arrays.items()},
-    "collectives": collectives(hlo.compile().as_text()),
+    "collectives": collectives(hlo_text := hlo.compile().as_text()),
+    "kernel_calls": hlo_text.count('custom_call_target="optax_sparse_adam_'),
     "compilations": jitted._cache_size(),
   }
 

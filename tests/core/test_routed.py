@@ -172,6 +172,16 @@ def test_tables_not_split_by_rows_under_auto_axes_keep_their_layout_unrouted(che
     assert not moved and result["warnings"] == []
 
 
+@pytest.mark.parametrize("kind", ["uniform", "one_owner"])
+def test_auto_axes_by_default_compile_what_a_declared_auto_axis_compiles(checks, kind):
+  """The partitioner's choice lowers the same routed step as `auto_axis="x"`: the same
+  collectives, and the CPU kernels on each device's shard (the fused step, the adds)."""
+  default = checks["runs"][f"auto_default/plain/{kind}/cf2"]
+  declared = checks["runs"][f"auto/plain/{kind}/cf2"]
+  assert default["collectives"] == declared["collectives"]
+  assert default["kernel_calls"] == declared["kernel_calls"] > 0
+
+
 @pytest.mark.parametrize("transform", ["vmap", "grad"])
 def test_a_step_itself_vmapped_or_differentiated_under_auto_axes_matches_one_device(
   checks, transform
