@@ -345,16 +345,17 @@ def main():
     for name in ("all_options", "rowwise", "catch_up", "bf16")
   ]
   cases += [("all_options", "zipf", "auto_default", 1.0)]
+  cases += [("all_options", "zipf", "auto_off", 2.0)]  # sharded_routing(False): left to XLA
   references = {}
   for opt_name, kind, mode, capacity_factor in cases:
     if (opt_name, kind) not in references:
       references[opt_name, kind] = train(opt_name, kind)
     axis_type = AxisType.Explicit if mode == "explicit" else AxisType.Auto
     mesh = jax.make_mesh((NUM_DEVICES,), ("x",), axis_types=(axis_type,))
-    auto_axis = "x" if mode == "auto" else None  # "auto_default": none
+    auto_axis = "x" if mode == "auto" else None  # "auto_default", "auto_off": none
     with (
       jax.set_mesh(mesh) if mode == "explicit" else contextlib.nullcontext(),
-      osa.sharded_routing(capacity_factor=capacity_factor, auto_axis=auto_axis),
+      osa.sharded_routing(mode != "auto_off", capacity_factor=capacity_factor, auto_axis=auto_axis),
     ):
       run = train(opt_name, kind, mesh=mesh)
     run["max_abs_diff"] = compare(run, references[opt_name, kind])
@@ -376,6 +377,12 @@ def main():
       run = train("plain", "cross_device_duplicates", mesh=auto, batch_axis=None, batch=batch)
     run["max_abs_diff"] = compare(run, reference)
     results["runs"][f"auto/replicated_batch_of_{batch}"] = run
+  # Auto axes on a mesh of two axes, default settings: the axis of the rows could be
+  # either, so the step is left to XLA.
+  auto_two_axes = jax.make_mesh((4, 2), ("x", "y"), axis_types=(AxisType.Auto,) * 2)
+  run = train("all_options", "cross_device_duplicates", mesh=auto_two_axes)
+  run["max_abs_diff"] = compare(run, references["all_options", "cross_device_duplicates"])
+  results["runs"]["auto_default/two_axes"] = run
   # Auto axes, default settings, tables not split by rows: the partitioner's
   # shardings are kept (a replicated table is not routed, nor split).
   for opt_name, table_spec, name in (

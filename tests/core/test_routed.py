@@ -86,6 +86,8 @@ KEPT_LAYOUTS = {
 
 
 UNROUTED_RUNS = ["two_axes/batch_over_y", "auto/replicated_batch_of_250"]
+# Auto axes: routing turned off, and a mesh of two axes (the rows' axis could be either).
+UNROUTED_RUNS += ["auto_off/all_options/zipf/cf2", "auto_default/two_axes"]
 
 
 def test_every_run_is_reported(checks):
