@@ -67,8 +67,8 @@ class Routing(NamedTuple):
       `local entries / devices` (`routing.capacity`); larger means fewer
       overflowing steps and more bytes per step.
     auto_axis: under `Auto` mesh axes, the axis over which traced tables and
-      gradient entries are taken to be split by rows; None routes only what
-      types or concrete shardings show.
+      gradient entries are taken to be split by rows; None leaves the choice to
+      the shardings XLA's partitioner picks (`auto_partition`).
   """
 
   enabled: bool = True
@@ -122,7 +122,8 @@ def sharded_routing(
       partitioner, as without this feature.
     capacity_factor: slots per owner as a multiple of the even share of a
       device's entries, at least 1. Larger: fewer overflowing steps, more bytes.
-    auto_axis: the mesh axis of row-split tables under `Auto` axes, or None.
+    auto_axis: the mesh axis of row-split tables under `Auto` axes, or None
+      (routed where the partitioner splits the table by rows).
 
   Returns:
     A context manager.
