@@ -200,7 +200,7 @@ def nnx_train_step(args, table, ids, targets, mesh):
   runs = []
   for path in ("partitioned", "routed"):
     routing_on = path == "routed"
-    with osa.sharded_routing(routing_on, auto_axis="x" if routing_on else None):
+    with osa.sharded_routing(routing_on):  # routed: from the partitioner's shardings
       model = Model()
       model.embed.embedding.set_value(put(table, P("x", None)))
       optimizer = osa.SparseOptimizer(model, osa.sparse_adam(1e-3), wrt=nnx.Param)
@@ -267,7 +267,7 @@ def weak_scaling_worker(args):
   for what, (step, inputs) in steps.items():
     for path in ("partitioned", "routed"):
       routing_on = path == "routed"
-      with osa.sharded_routing(routing_on, auto_axis="x" if routing_on else None):
+      with osa.sharded_routing(routing_on):  # routed: from the partitioner's shardings
         jitted = jax.jit(step, donate_argnums=(0, 1))
         table_on = put_table(table)
         state = optimizer.init({"table": table_on})

@@ -96,8 +96,9 @@ def worker(process_id: int, port: int) -> None:
       )
     return table, state
 
-  # Auto axes: XLA's partitioner runs the step. Explicit axes: the step is routed,
-  # each row's gradient sent to the process and device that own the row.
+  # Both routed, each row's gradient sent to the process and device that own the
+  # row: under Auto axes from the shardings XLA's partitioner chose, under Explicit
+  # axes from the values' types.
   table, state = train(mesh)
   explicit_mesh = jax.make_mesh((jax.device_count(),), ("x",), axis_types=(AxisType.Explicit,))
   # Buckets as large as a device's 8 entries: no step overflows, every row's sum

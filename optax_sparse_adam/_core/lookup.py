@@ -23,7 +23,15 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec
 
-from optax_sparse_adam._core import bcoo, coalesce, routed, routing, sharding
+from optax_sparse_adam._core import (
+  auto_partition,
+  bcoo,
+  coalesce,
+  partitioned,
+  routed,
+  routing,
+  sharding,
+)
 
 
 def sharded_lookup(table: jax.Array, ids: jax.Array) -> jax.Array:
@@ -62,6 +70,8 @@ def sharded_lookup(table: jax.Array, ids: jax.Array) -> jax.Array:
       f"sharded_lookup: ids of shape {ids.shape} and dtype {ids.dtype}; expected 1-D integer ids."
     )
   plan = _plan(table, ids)
+  if plan is None and (auto := _auto_plan(table, ids)) is not None:
+    return _auto_lookup(table, ids, auto, padding=False)
   if plan is None:
     out_spec = PartitionSpec(*sharding.spec_of(ids), *([None] * (table.ndim - 1)))
     return sharding.call_with_auto_axes(lambda t, i: t[i], (table, ids), out_spec)
@@ -82,6 +92,10 @@ def lookup_or_zeros(table: jax.Array, ids: jax.Array) -> jax.Array:
     if plan is not None:
       rows = _routed_lookup(table, flat, plan, padding=True)
       return rows.reshape(ids.shape + table.shape[1:])
+    auto = _auto_plan(table, flat)
+    if auto is not None:
+      rows = _auto_lookup(table, flat, auto, padding=True)
+      return rows.reshape(ids.shape + table.shape[1:])
   return table.at[jnp.where(ids < 0, num_rows, ids)].get(mode="fill", fill_value=0)
 
 
@@ -101,18 +115,51 @@ def _plan(table: jax.Array, ids: jax.Array) -> routed.Plan | None:
   return routed.Plan(axis, mesh, num_shards, capacity)
 
 
+def _auto_plan(table: jax.Array, ids: jax.Array) -> routed.Plan | None:
+  """Under `Auto` axes: a plan without a mesh (`auto_partition` reads the layout), or None."""
+  if table.ndim < 1 or ids.shape[0] == 0 or not partitioned.partitioner_decides():
+    return None
+  found = partitioned.mesh_axis([table], [ids])
+  if found is None:
+    return None
+  axis, mesh = found
+  num_shards = mesh.shape[axis]
+  if table.shape[0] % num_shards or ids.shape[0] % num_shards:
+    return None
+  local = ids.shape[0] // num_shards
+  capacity = routing.capacity(local, num_shards, routed.current().capacity_factor)
+  return routed.Plan(axis, None, num_shards, capacity)
+
+
+def _auto_lookup(
+  table: jax.Array, ids: jax.Array, plan: routed.Plan, *, padding: bool
+) -> jax.Array:
+  num_rows = table.shape[0]
+
+  def whole(table: jax.Array, ids: jax.Array) -> jax.Array:
+    if padding:
+      return table.at[jnp.where(ids < 0, num_rows, ids)].get(mode="fill", fill_value=0)
+    return table[ids]
+
+  def routed_rows(table: jax.Array, ids: jax.Array) -> jax.Array:
+    return _routed_lookup(table, ids, plan, padding=padding)
+
+  return auto_partition.lookup(table, ids, plan=plan, routed_lookup=routed_rows, whole_lookup=whole)
+
+
 def _routed_lookup(
   table: jax.Array, ids: jax.Array, plan: routed.Plan, *, padding: bool
 ) -> jax.Array:
   """The routed lookup; `padding`: ids out of range read zero rows (else as `table[ids]`)."""
   axis, num_shards, capacity = plan.axis, plan.num_shards, plan.capacity
-  num_rows = table.shape[0]
+  # A plan without a mesh: the caller runs per shard and `table` is a shard.
+  num_rows = table.shape[0] * (num_shards if plan.mesh is None else 1)
   rows_per_shard = num_rows // num_shards
-  local_ids = ids.shape[0] // num_shards
   row_shape = table.shape[1:]
 
   def body(table, ids):
     shard = lax.axis_index(axis)
+    local_ids = ids.shape[0]
     if padding:  # out-of-range ids: padding row num_rows, which no owner holds
       valid = (ids >= 0) & (ids < num_rows)
       rows = jnp.where(valid, ids, num_rows).astype(jnp.int32)
@@ -155,10 +202,6 @@ def _routed_lookup(
     return lax.cond(overflow, gathered_rows, routed_rows, table)
 
   row_spec = PartitionSpec(axis, *([None] * len(row_shape)))
-  return jax.shard_map(
-    body,
-    mesh=plan.mesh,
-    in_specs=(row_spec, PartitionSpec(axis)),
-    out_specs=row_spec,
-    check_vma=False,
+  return routed.per_shard(
+    body, plan.mesh, in_specs=(row_spec, PartitionSpec(axis)), out_specs=row_spec
   )(table, ids)

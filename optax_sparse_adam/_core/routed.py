@@ -29,11 +29,12 @@ The tables ride a `while_loop` (one round unless the step overflows), not a
 `cond`: XLA updates a loop's carry in place, but copies a table that a cond's
 branch both reads and writes.
 
-Routing is chosen when the arrays' shardings are known at trace time: concrete
-arrays, and arrays typed on a mesh with `Explicit` axes. Under `Auto` axes a
-traced array's type does not say how XLA will split it;
-`sharded_routing(auto_axis=...)` declares the axis, and
-`sharded_routing(False)` turns routing off.
+Routing is chosen at trace time where the arrays' shardings are known there:
+concrete arrays, and arrays typed on a mesh with `Explicit` axes. Under `Auto`
+axes a traced array's type does not say how XLA will split it: there
+`auto_partition` runs this step per shard once the partitioner has chosen the
+shardings; `sharded_routing(auto_axis=...)` declares the axis at trace time
+instead, and `sharded_routing(False)` turns routing off.
 """
 
 from __future__ import annotations
@@ -67,8 +68,8 @@ class Routing(NamedTuple):
       overflowing steps and more bytes per step. None: sized for uniform ids
       (six standard deviations over the share, at most twice it).
     auto_axis: under `Auto` mesh axes, the axis over which traced tables and
-      gradient entries are taken to be split by rows; None routes only what
-      types or concrete shardings show.
+      gradient entries are taken to be split by rows; None leaves the choice to
+      the shardings XLA's partitioner picks (`auto_partition`).
   """
 
   enabled: bool = True
@@ -104,12 +105,15 @@ def sharded_routing(
   times its local entries for 2048 entries on 8 devices, at most twice them),
   whatever the number of devices (docs/sharding.md).
 
-  Routing is chosen at trace time from what is known there: the sharding of
-  concrete arrays, and the types of values traced under a mesh with
-  `Explicit` axes. Under `Auto` axes a traced value's type does not say how it
-  is split, so name the axis with `auto_axis`: tables and entries on a mesh
-  with that axis are then taken to be split by rows over it (a table split
-  otherwise is resharded, at the cost of moving it).
+  Routing is chosen from the sharding of concrete arrays, and from the types of
+  values traced under a mesh with `Explicit` axes. Under `Auto` axes (a mesh of
+  one axis of several devices) the step, `apply_updates` and `sharded_lookup`
+  are lowered per device once XLA's partitioner has chosen their shardings:
+  routed where the table is split by rows, kept as laid out where it is
+  replicated or split on its columns (docs/sharding.md). With `auto_axis`,
+  tables and entries on a mesh with that axis are instead taken at trace time
+  to be split by rows over it (a table split otherwise is resharded, at the
+  cost of moving it).
 
   A step in which some device holds more distinct rows for one owner than its
   capacity is not dropped: it all-gathers every device's entries and matches
@@ -123,7 +127,8 @@ def sharded_routing(
       device's entries, at least 1. Larger: fewer overflowing steps, more bytes.
       None (the default): sized for uniform ids (`routing.capacity`); give a
       factor past the skew of ids whose hot rows share an owner.
-    auto_axis: the mesh axis of row-split tables under `Auto` axes, or None.
+    auto_axis: the mesh axis of row-split tables under `Auto` axes, or None
+      (routed where the partitioner splits the table by rows).
 
   Returns:
     A context manager.
@@ -137,7 +142,10 @@ def sharded_routing(
 
 
 class Plan(NamedTuple):
-  """How a leaf is routed: the mesh axis, its mesh and size, and the slots per owner."""
+  """How a leaf is routed: the mesh axis, its mesh and size, and the slots per owner.
+
+  A None mesh: the step is already lowered per shard (`auto_partition`).
+  """
 
   axis: str
   mesh: Any
@@ -200,7 +208,6 @@ def masked_step(
   rows, values, tables = inputs.rows, inputs.values, inputs.tables
   num_rows = layout.num_rows
   rows_per_shard = num_rows // num_shards
-  local_entries = rows.shape[0] // num_shards
   slots = num_shards * capacity  # the update's slots per device
   local_plan = plan._replace(layout=bcoo.RowLayout((rows_per_shard,), layout.dense_shape))
   # What a shard's step reads and writes, split by rows (the parameter is read only).
@@ -228,6 +235,7 @@ def masked_step(
 
   def body(rows, values, carried, param, replicated):
     shard = lax.axis_index(axis)
+    local_entries = rows.shape[0]
     coalesced = coalesce.coalesce_rows(rows, values, num_rows)
     buckets = routing.bucket_by_owner(
       coalesced, num_rows=num_rows, num_shards=num_shards, capacity=capacity
@@ -301,9 +309,9 @@ def masked_step(
     return jax.tree.map(lambda x: _row_spec(axis, x.ndim), tree)
 
   replicated_specs = jax.tree.map(lambda _: PartitionSpec(), replicated_inputs)
-  new_rows, delta, new_tables = jax.shard_map(
+  new_rows, delta, new_tables = per_shard(
     body,
-    mesh=route.mesh,
+    route.mesh,
     in_specs=(
       PartitionSpec(axis),
       _row_spec(axis, values.ndim),
@@ -316,7 +324,6 @@ def masked_step(
       _row_spec(axis, values.ndim),
       row_specs(carried_tables),
     ),
-    check_vma=False,
   )(rows, values, carried_tables, tables.param, replicated_inputs)
   return RowsStep(new_rows, delta, new_tables)
 
@@ -366,13 +373,23 @@ def scatter_add(
 
   rows = bcoo.linear_rows(update.indices, layout)
   table_spec = _row_spec(axis, param.ndim)
-  return jax.shard_map(
+  return per_shard(
     body,
-    mesh=plan.mesh,
+    plan.mesh,
     in_specs=(table_spec, PartitionSpec(axis), _row_spec(axis, update.data.ndim)),
     out_specs=table_spec,
-    check_vma=False,
   )(param, rows, update.data)
+
+
+def per_shard(body: Callable[..., Any], mesh: Any, *, in_specs: Any, out_specs: Any) -> Any:
+  """`body` run on each shard of `mesh`; `body` itself where `mesh` is None.
+
+  A None mesh means the caller already runs per shard, with the axis bound
+  (`auto_partition` lowers a step for the shardings XLA's partitioner chose).
+  """
+  if mesh is None:
+    return body
+  return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
 
 
 def _row_spec(axis: str, ndim: int) -> PartitionSpec:

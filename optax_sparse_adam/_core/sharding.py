@@ -13,11 +13,31 @@ work, and hands each output back with the sharding the caller names: the
 moments keep their parameter's sharding from step to step.
 """
 
+import contextlib
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
+
+from optax_sparse_adam._core.switches import Switch
+
+
+class _Lowering(NamedTuple):
+  per_shard: bool = False
+
+
+# Set while a custom-partitioned op's per-shard body is traced (`partitioned`).
+_LOWERING = Switch(_Lowering(), lambda _: None)
+
+
+def lowering_per_shard() -> contextlib.AbstractContextManager[None]:
+  """Within this block, every array traced is one device's shard.
+
+  For the body that a custom partitioning lowers on each device, where the
+  mesh's axes are bound but the values' types name no mesh.
+  """
+  return _LOWERING.choose(per_shard=True)
 
 
 def _context_mesh() -> Any:
@@ -66,15 +86,16 @@ def on_one_cpu_device(arrays: Any) -> bool:
   `--xla_force_host_platform_device_count`), a concrete array says so by its
   sharding; a traced one only when its type names a mesh of one device, or a
   mesh whose axes are all `Manual` (inside `jax.shard_map`, where a value is
-  one device's shard): an argument passed sharded over several devices has its
-  mesh in its type, but an empty mesh is not proof (`jax.jit(...,
-  in_shardings=...)` leaves it out), so such a value counts as possibly sharded.
+  one device's shard), and within `lowering_per_shard`: an argument passed
+  sharded over several devices has its mesh in its type, but an empty mesh is
+  not proof (`jax.jit(..., in_shardings=...)` leaves it out), so such a value
+  counts as possibly sharded.
   """
   try:
     num_cpu_devices = len(jax.devices("cpu"))
   except RuntimeError:  # no CPU backend in this process: nothing is lowered for it
     return False
-  if num_cpu_devices == 1:
+  if num_cpu_devices == 1 or _LOWERING.current().per_shard:
     return True
   for array in jax.tree_util.tree_leaves(arrays):
     if isinstance(array, jax.core.Tracer):

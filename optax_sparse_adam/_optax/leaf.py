@@ -25,7 +25,7 @@ from jax.experimental import sparse
 from jax.sharding import PartitionSpec
 
 from optax_sparse_adam._backends import dispatch
-from optax_sparse_adam._core import adam, bcoo, routed, sharding
+from optax_sparse_adam._core import adam, auto_partition, bcoo, routed, sharding
 from optax_sparse_adam._core.adam import AdamCoefficients, AdamRule, LeafState
 from optax_sparse_adam._core.errors import is_python_number, path_str
 from optax_sparse_adam._core.rules import (
@@ -197,11 +197,19 @@ def masked_leaf_step(
       stacklevel=2,
     )
     route = None
-  if route is not None:  # a row-sharded table: each row's gradient goes to its owner
+  # Under Auto axes the partitioner's shardings decide (routed where split by rows);
+  # its update has the routed size too, which optax.apply_if_finite cannot take.
+  auto = None
+  if route is None and not in_optax_apply_if_finite:
+    auto = auto_partition.plan_step(grad, tables, plan)
+  if route is not None or auto is not None:  # each row's gradient goes to its owner
     inputs = StepInputs(
       bcoo.linear_rows(grad.indices, layout), grad.data, tables, new_step, hyper, opaque_zero
     )
-    result = routed.masked_step(inputs, plan, route=route, local_step=dispatch.masked_step)
+    if route is not None:
+      result = routed.masked_step(inputs, plan, route=route, local_step=dispatch.masked_step)
+    elif auto is not None:
+      result = auto_partition.masked_step(inputs, plan, route=auto, local_step=dispatch.masked_step)
     coalesced = bcoo.CoalescedRows(result.rows, result.delta)
     # Each device holds its own rows, sorted within its block only.
     update = bcoo.rows_to_bcoo(
@@ -300,6 +308,11 @@ def scatter_add_bcoo(param: jax.Array, update: sparse.BCOO, path: Sequence[Any] 
   if route is not None:  # row-split: each device adds the rows it owns
     return routed.scatter_add(
       param, update, layout=layout, plan=route, local_scatter_add=dispatch.scatter_add
+    )
+  auto = auto_partition.plan_apply(param, update)
+  if auto is not None:  # Auto axes: routed where the partitioner splits param by rows
+    return auto_partition.scatter_add(
+      param, update, layout=layout, plan=auto, local_scatter_add=dispatch.scatter_add
     )
 
   def scatter_add(param, update):

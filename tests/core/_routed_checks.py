@@ -115,7 +115,7 @@ def collectives(hlo_text):
   return found
 
 
-def train(opt_name, kind, *, mesh=None, batch_axis="x", batch=BATCH, seed=0):
+def train(opt_name, kind, *, mesh=None, batch_axis="x", batch=BATCH, seed=0, table_spec=None):
   rng = np.random.default_rng(seed)
   dtype = jnp.bfloat16 if opt_name == "bf16" else jnp.float32
   table0 = rng.normal(size=(NUM_ROWS, DIM)).astype(np.float32)
@@ -130,7 +130,8 @@ def train(opt_name, kind, *, mesh=None, batch_axis="x", batch=BATCH, seed=0):
     device = jax.devices()[0]
     put_table = put_ids = put_rows = lambda x: jax.device_put(x, device)  # noqa: E731
   else:
-    put_table = lambda x: jax.device_put(x, NamedSharding(mesh, P("x", None)))  # noqa: E731
+    table_sharding = NamedSharding(mesh, P("x", None) if table_spec is None else table_spec)
+    put_table = lambda x: jax.device_put(x, table_sharding)  # noqa: E731
     put_ids = lambda x: jax.device_put(x, NamedSharding(mesh, P(batch_axis)))  # noqa: E731
     put_rows = lambda x: jax.device_put(x, NamedSharding(mesh, P(batch_axis, None)))  # noqa: E731
 
@@ -160,7 +161,8 @@ def train(opt_name, kind, *, mesh=None, batch_axis="x", batch=BATCH, seed=0):
   return {
     "arrays": {k: np.asarray(v.astype(jnp.float32)) for k, v in arrays.items()},
     "specs": {k: str(getattr(v.sharding, "spec", None)) for k, v in arrays.items()},
-    "collectives": collectives(hlo.compile().as_text()),
+    "collectives": collectives(hlo_text := hlo.compile().as_text()),
+    "kernel_calls": hlo_text.count('custom_call_target="optax_sparse_adam_'),
     "compilations": jitted._cache_size(),
     "skipped_steps": skipped,
     "warnings": [str(w.message) for w in caught],
@@ -211,7 +213,7 @@ def lookups():
     "out_of_range_and_negative": rng.integers(-NUM_ROWS - 40, NUM_ROWS + 40, BATCH),
   }
   results = {}
-  for mode in ("explicit", "auto"):
+  for mode in ("explicit", "auto", "auto_default"):
     axis_type = AxisType.Explicit if mode == "explicit" else AxisType.Auto
     mesh = jax.make_mesh((NUM_DEVICES,), ("x",), axis_types=(axis_type,))
     for kind, ids in kinds.items():
@@ -236,7 +238,7 @@ def lookups():
   return results
 
 
-def flax_nnx():
+def flax_nnx(auto_axis="x"):
   """A Flax NNX model's table, row-sharded, trained with `SparseOptimizer` (Auto axes and
   `auto_axis`), against one device; None without flax."""
   try:
@@ -292,7 +294,7 @@ def flax_nnx():
 
   reference, _ = run(None)
   mesh = jax.make_mesh((NUM_DEVICES,), ("x",), axis_types=(AxisType.Auto,))
-  with osa.sharded_routing(auto_axis="x"), tracing_routed() as traced:
+  with osa.sharded_routing(auto_axis=auto_axis), tracing_routed() as traced:
     table, hlo = run(mesh)
   return {
     "max_abs_diff": float(np.max(np.abs(table - reference))),
@@ -463,6 +465,39 @@ def front_ends():
   return results
 
 
+def transformed_steps(mesh):
+  """A step that is itself vmapped (two tables) or differentiated, under Auto axes with
+  default settings (the whole step, left to XLA), against one device."""
+  rng = np.random.default_rng(4)
+  opt = osa.sparse_adam(1e-2)
+  tables = rng.normal(size=(2, NUM_ROWS, DIM)).astype(np.float32)
+  ids = rng.integers(0, NUM_ROWS, (2, BATCH)).astype(np.int32)
+  grads = rng.normal(size=(2, BATCH, DIM)).astype(np.float32)
+
+  def step(table, ids, grad_rows):
+    state = opt.init({"t": table})
+    grad = sparse.BCOO((grad_rows, ids[:, None]), shape=table.shape)
+    updates, _ = opt.update({"t": grad}, state, {"t": table})
+    return osa.apply_updates({"t": table}, updates)["t"]
+
+  def loss(table, ids, grad_rows):  # the table after one step, differentiated
+    return jnp.sum(step(table, ids, grad_rows) ** 2)
+
+  def put(x, *spec):
+    return jax.device_put(x, NamedSharding(mesh, P(*spec)))
+
+  vmapped = jax.jit(jax.vmap(step))
+  expected = vmapped(*map(jnp.asarray, (tables, ids, grads)))
+  got = vmapped(put(tables, None, "x"), put(ids, None, "x"), put(grads, None, "x"))
+  gradient = jax.jit(jax.grad(loss))
+  expected_grad = gradient(*map(jnp.asarray, (tables[0], ids[0], grads[0])))
+  got_grad = gradient(put(tables[0], "x"), put(ids[0], "x"), put(grads[0], "x"))
+  return {
+    "vmap": float(jnp.max(jnp.abs(np.asarray(got) - np.asarray(expected)))),
+    "grad": float(jnp.max(jnp.abs(np.asarray(got_grad) - np.asarray(expected_grad)))),
+  }
+
+
 def main():
   assert jax.device_count() == NUM_DEVICES, jax.devices()
   results = {"runs": {}, "local": LOCAL, "dim": DIM}
@@ -476,21 +511,35 @@ def main():
   cases += [("plain", kind, "explicit", 1.0) for kind in ("one_owner", "zipf", "spread_to_all")]
   cases += [("plain", kind, "auto", 2.0) for kind in ("uniform", "one_owner")]
   options = [name for name in OPTIMIZERS if name not in ("plain", *EXACT_OPTIONS)]
-  cases += [("optax_apply_if_finite", "cross_device_duplicates", "auto", 2.0)]
+  cases += [
+    ("optax_apply_if_finite", "cross_device_duplicates", mode, 2.0)
+    for mode in ("auto", "auto_default")
+  ]
   cases += [(name, "cross_device_duplicates", "explicit", 2.0) for name in options]
   cases += [(name, "device_local_rows", "explicit", 2.0) for name in EXACT_OPTIONS]
   cases += [("stochastic", "one_owner", "explicit", 2.0), ("stochastic", "zipf", "auto", 1.0)]
   cases += [("all_options", "one_owner", "explicit", 2.0), ("all_options", "zipf", "auto", 1.0)]
+  # Auto axes, default settings: the partitioner's shardings choose the routed step.
+  cases += [("plain", kind, "auto_default", 2.0) for kind in ("uniform", "one_owner", "zipf")]
+  cases += [
+    (name, "cross_device_duplicates", "auto_default", 2.0)
+    for name in ("all_options", "rowwise", "catch_up", "bf16")
+  ]
+  cases += [
+    ("all_options", "zipf", "auto_default", 1.0),
+    ("stochastic", "zipf", "auto_default", 1.0),
+  ]
+  cases += [("all_options", "zipf", "auto_off", 2.0)]  # sharded_routing(False): left to XLA
   references = {}
   for opt_name, kind, mode, capacity_factor in cases:
     if (opt_name, kind) not in references:
       references[opt_name, kind] = train(opt_name, kind)
     axis_type = AxisType.Explicit if mode == "explicit" else AxisType.Auto
     mesh = jax.make_mesh((NUM_DEVICES,), ("x",), axis_types=(axis_type,))
-    auto_axis = "x" if mode == "auto" else None
+    auto_axis = "x" if mode == "auto" else None  # "auto_default", "auto_off": none
     with (
       jax.set_mesh(mesh) if mode == "explicit" else contextlib.nullcontext(),
-      osa.sharded_routing(capacity_factor=capacity_factor, auto_axis=auto_axis),
+      osa.sharded_routing(mode != "auto_off", capacity_factor=capacity_factor, auto_axis=auto_axis),
     ):
       run = train(opt_name, kind, mesh=mesh)
     run["max_abs_diff"] = compare(run, references[opt_name, kind])
@@ -512,9 +561,31 @@ def main():
       run = train("plain", "cross_device_duplicates", mesh=auto, batch_axis=None, batch=batch)
     run["max_abs_diff"] = compare(run, reference)
     results["runs"][f"auto/replicated_batch_of_{batch}"] = run
+  # Auto axes on a mesh of two axes, default settings: the axis of the rows could be
+  # either, so the step is left to XLA.
+  auto_two_axes = jax.make_mesh((4, 2), ("x", "y"), axis_types=(AxisType.Auto,) * 2)
+  run = train("all_options", "cross_device_duplicates", mesh=auto_two_axes)
+  run["max_abs_diff"] = compare(run, references["all_options", "cross_device_duplicates"])
+  results["runs"]["auto_default/two_axes"] = run
+  # Auto axes, default settings, tables not split by rows: the partitioner's
+  # shardings are kept (a replicated table is not routed, nor split).
+  for opt_name, table_spec, name in (
+    ("all_options", P(), "replicated_table"),
+    ("all_options", P(None, "x"), "column_table"),
+    ("rowwise", P(None, "x"), "rowwise_column_table"),
+  ):
+    reference = train(opt_name, "cross_device_duplicates")
+    run = train(opt_name, "cross_device_duplicates", mesh=auto, table_spec=table_spec)
+    run["max_abs_diff"] = compare(run, reference)
+    with osa.sharded_routing(False):  # XLA's own partitioning, for the compilation count
+      unrouted = train(opt_name, "cross_device_duplicates", mesh=auto, table_spec=table_spec)
+    run["compilations_unrouted"] = unrouted["compilations"]
+    results["runs"][f"auto_default/{name}"] = run
+  results["transformed"] = transformed_steps(auto)
   explicit = jax.make_mesh((NUM_DEVICES,), ("x",), axis_types=(AxisType.Explicit,))
   results["lookups"] = lookups()
   results["flax_nnx"] = flax_nnx()
+  results["flax_nnx_auto_default"] = flax_nnx(auto_axis=None)
   results["front_ends"] = front_ends()
   results["apply_foreign"] = apply_foreign_update(explicit)
   json.dump(results, sys.stdout)
