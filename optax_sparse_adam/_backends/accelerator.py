@@ -29,6 +29,10 @@ def masked_step(inputs: StepInputs, plan: StepPlan) -> RowsStep:
   """`xla.masked_step` (same arguments and results), coalescing by one sort.
 
   Every rule and option of the generic step is supported: the two differ only
-  in how the distinct rows and their summed gradients are found.
+  in how the distinct rows and their summed gradients are found, and in how
+  narrow float tables are stored: by a scatter of their own dtype, which GPUs
+  and TPUs have (XLA:CPU does not: `xla.masked_step`'s `through_bits`).
   """
-  return xla.masked_step(inputs, plan, coalescer=coalesce.coalesce_and_gather_by_one_sort)
+  return xla.masked_step(
+    inputs, plan, coalescer=coalesce.coalesce_and_gather_by_one_sort, through_bits=False
+  )

@@ -15,7 +15,11 @@ from optax_sparse_adam._core.rules import RowBlock, RowsStep, StepInputs, StepPl
 
 
 def masked_step(
-  inputs: StepInputs, plan: StepPlan, *, coalescer: coalesce.Coalescer | None = None
+  inputs: StepInputs,
+  plan: StepPlan,
+  *,
+  coalescer: coalesce.Coalescer | None = None,
+  through_bits: bool = True,
 ) -> RowsStep:
   """One parameter's masked step in XLA ops (a `protocol.StepBackend`).
 
@@ -24,6 +28,9 @@ def masked_step(
     plan: the row layout, the rule and the static switches.
     coalescer: how the rows are coalesced; None is
       `coalesce.coalesce_and_gather_rows`, looked up when the step is traced.
+    through_bits: whether bfloat16 (and 8-bit float) tables are stored through
+      their bits (`bcoo.set_rows`): XLA:CPU converts the whole table to float32
+      and back around a bfloat16 scatter.
 
   Returns:
     The `RowsStep`: distinct rows, their deltas, the new tables.
@@ -66,7 +73,7 @@ def masked_step(
     new_row_steps = optax.safe_increment(bcoo.gather_rows(row_step, rows))
     step = jnp.maximum(new_row_steps, 1)
     step = step.reshape(step.shape + (1,) * len(layout.dense_shape))
-    row_step = bcoo.scatter_rows(row_step, rows, new_row_steps)
+    row_step = bcoo.scatter_rows(row_step, rows, new_row_steps, through_bits=through_bits)
 
   slot_rows = {slot.name: old for slot, old in zip(slots, old_rows, strict=True)}
   last_step = tables.last_step
@@ -93,7 +100,9 @@ def masked_step(
     # The step, as a function of the gathered rows (each row's last step is below
     # it): the scatter then follows the gather, and XLA updates the table in place
     # instead of copying it.
-    last_step = bcoo.scatter_rows(last_step, rows, jnp.maximum(last_rows, inputs.step))
+    last_step = bcoo.scatter_rows(
+      last_step, rows, jnp.maximum(last_rows, inputs.step), through_bits=through_bits
+    )
 
   store = rounding.slot_store(
     config.moment_rounding,
@@ -123,9 +132,9 @@ def masked_step(
   ).astype(inputs.values.dtype)
 
   new_slots = {
-    slot.name: bcoo.scatter_rows(table, rows, new_rows[slot.name]).reshape(
-      tables.slots[slot.name].shape
-    )
+    slot.name: bcoo.scatter_rows(
+      table, rows, new_rows[slot.name], through_bits=through_bits
+    ).reshape(tables.slots[slot.name].shape)
     for slot, table in zip(slots, slot_tables, strict=True)
   }
   return RowsStep(rows, delta, Tables(new_slots, row_step, last_step=last_step))
@@ -144,16 +153,45 @@ def scatter_add(
   layout: bcoo.RowLayout,
   rows_unique: bool,
   rows_sorted: bool,
+  through_bits: bool = True,
 ) -> jax.Array:
-  """`param[rows] += values` in XLA ops; out-of-range (padding) rows are dropped."""
+  """`param[rows] += values` in XLA ops; out-of-range (padding) rows are dropped.
+
+  `values` are cast to `param`'s dtype first. With `through_bits`, a bfloat16
+  parameter is not scatter-added (XLA:CPU converts the whole table to float32
+  and back around that): its touched rows are gathered, each row's values
+  added to it in float32 in input order, rounded once to bfloat16 and stored
+  through `bcoo.set_rows`. That is XLA:CPU's arithmetic bit for bit; it is
+  also the correctly rounded sum `param + value` of a row with one entry
+  (float32 has more than twice bfloat16's significand bits plus two, so
+  rounding twice is rounding once).
+  """
   param_rows = bcoo.as_rows(param, layout)
-  return (
-    param_rows.at[rows]
-    .add(
-      values.astype(param_rows.dtype),
-      mode="drop",
-      unique_indices=rows_unique,
-      indices_are_sorted=rows_sorted,
+  values = values.astype(param_rows.dtype)
+  if not through_bits or param_rows.dtype != jnp.bfloat16:
+    added = param_rows.at[rows].add(
+      values, mode="drop", unique_indices=rows_unique, indices_are_sorted=rows_sorted
     )
-    .reshape(param.shape)
+    return added.reshape(param.shape)
+  wide = jnp.float32
+  if rows_unique:
+    distinct = rows
+    old = param_rows.at[rows].get(
+      mode="fill", fill_value=0, unique_indices=True, indices_are_sorted=rows_sorted
+    )
+    sums = old.astype(wide) + values.astype(wide)
+  else:
+    # Repeated rows are added one after the other into one float32 row each.
+    sorted_rows = coalesce.sort_rows(rows, layout.num_rows)
+    slot = coalesce.segments_by_search(rows, sorted_rows, layout.num_rows)
+    distinct, rows_sorted = sorted_rows.unique_rows, True
+    sums = (
+      bcoo.gather_rows(param_rows, distinct)
+      .astype(wide)
+      .at[slot]
+      .add(values.astype(wide), mode="drop")
+    )
+  stored = bcoo.set_rows(
+    param_rows, distinct, sums, mode="drop", unique_indices=True, indices_are_sorted=rows_sorted
   )
+  return stored.reshape(param.shape)

@@ -20,6 +20,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 from jax.experimental import sparse
 
 from optax_sparse_adam._core.errors import describe, path_str
@@ -167,14 +168,56 @@ def gather_rows(table_rows: jax.Array, rows: jax.Array) -> jax.Array:
   )
 
 
-def scatter_rows(table_rows: jax.Array, rows: jax.Array, values: jax.Array) -> jax.Array:
-  """`table_rows[rows] = values` for in-range rows; padding rows are dropped."""
-  return table_rows.at[rows].set(
-    values.astype(table_rows.dtype),
-    mode="drop",
-    unique_indices=True,
-    indices_are_sorted=True,
+def scatter_rows(
+  table_rows: jax.Array, rows: jax.Array, values: jax.Array, *, through_bits: bool = True
+) -> jax.Array:
+  """`table_rows[rows] = values` for in-range rows; padding rows are dropped.
+
+  `through_bits`: whether a narrow float table is stored through its bits
+  (`set_rows`); the backend decides.
+  """
+  if not through_bits:
+    return table_rows.at[rows].set(
+      values.astype(table_rows.dtype), mode="drop", unique_indices=True, indices_are_sorted=True
+    )
+  return set_rows(
+    table_rows, rows, values, mode="drop", unique_indices=True, indices_are_sorted=True
   )
+
+
+def bits_dtype(dtype: Any) -> np.dtype | None:
+  """The unsigned integer dtype that a table of `dtype` is stored through, else None.
+
+  bfloat16 and the 8-bit floats are: XLA:CPU has no scatter for them and
+  converts the whole table to a wider float and back around each one. float16
+  is not: XLA:CPU scatters it natively.
+  """
+  dtype = jnp.dtype(dtype)
+  if not jnp.issubdtype(dtype, jnp.floating) or dtype == jnp.float16:
+    return None
+  bits = jnp.finfo(dtype).bits
+  return jnp.dtype(f"uint{bits}") if bits in (8, 16) and dtype.itemsize * 8 == bits else None
+
+
+def set_rows(table: jax.Array, index: Any, values: jax.Array, **scatter_flags: Any) -> jax.Array:
+  """`table.at[index].set(values, **scatter_flags)`, with `values` cast to the table's dtype.
+
+  A bfloat16 or 8-bit float table (`bits_dtype`) is written through its bits: a set of
+  bits is a set of values on every backend. XLA:CPU has no 16-bit float scatter
+  and converts the whole table to float32 and back around a float one; around
+  this integer scatter it makes two same-width copies of the table instead
+  (half the bytes, half the time, no float32 table).
+  """
+  values = values.astype(table.dtype)
+  bits = bits_dtype(table.dtype)
+  if bits is None:
+    return table.at[index].set(values, **scatter_flags)
+  stored = (
+    lax.bitcast_convert_type(table, bits)
+    .at[index]
+    .set(lax.bitcast_convert_type(values, bits), **scatter_flags)
+  )
+  return lax.bitcast_convert_type(stored, table.dtype)
 
 
 def rows_to_bcoo(

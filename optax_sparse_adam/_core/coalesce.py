@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from optax_sparse_adam._core.bcoo import CoalescedRows, gather_rows
+from optax_sparse_adam._core.bcoo import CoalescedRows, gather_rows, set_rows
 
 # The coalesced gradient, each table's old rows at its rows, and the tables (one
 # of them possibly holding scratch in the touched rows).
@@ -134,8 +134,8 @@ def segments_by_marking(
   nse = rows.shape[0]
   num_rows = table_rows.shape[0]
   flat = table_rows.reshape(num_rows, -1)
-  marks = _after(sorted_rows.rank, after).astype(flat.dtype)
-  marked = flat.at[sorted_rows.sorted_rows, 0].set(marks, mode="drop", indices_are_sorted=True)
+  marks = _after(sorted_rows.rank, after)
+  marked = set_rows(flat, (sorted_rows.sorted_rows, 0), marks, mode="drop", indices_are_sorted=True)
   segment = marked.at[rows, 0].get(mode="fill", fill_value=nse).astype(jnp.int32)
   return segment, marked.reshape(table_rows.shape)
 
