@@ -249,18 +249,27 @@ template <typename MuT, typename NuT, bool kStochastic, bool kDecoupled = false,
 OSA_MULTIVERSIONED_TEMPLATE void AdamRow(
     float* __restrict__ g, MuT* __restrict__ m, NuT* __restrict__ v, int64_t row_size,
     bool maximize, float one_minus_b1, float one_minus_b2, float eps, float neg_step_size,
-    uint32_t m_key, uint32_t v_key, const RowExtras& x = RowExtras{}) {
-  const float* __restrict__ p = x.p;
-  // No loop-invariant switch inside the loop: GCC would unswitch it, and gives
-  // up vectorizing the bf16 and catch-up loops (too large once unswitched).
-  // So maximize flips a sign bit (a negation, as in XLA: NaNs flip sign too),
-  // and the square is of the gradient as given (XLA folds (-g) * (-g) to g * g,
-  // which differs for NaN).
+    uint32_t m_key, uint32_t v_key, const RowExtras* extras = nullptr) {
+  // GCC unswitches the loop on `maximize`, and then gives up vectorizing the
+  // larger bf16 and catch-up loops: there maximize flips a sign bit instead (a
+  // negation, as in XLA: NaNs flip sign too), with no switch left in the loop.
+  // The square is of the gradient as given (XLA folds (-g) * (-g) to g * g,
+  // which differs for NaN; GCC folds the float32 loop's alike).
+  constexpr bool kBranchFree =
+      kCatchUp || !std::is_same_v<MuT, float> || !std::is_same_v<NuT, float>;
   const uint32_t sign_flip = maximize ? 0x80000000u : 0u;
+  RowExtras x;
+  if constexpr (kDecoupled || kCatchUp) x = *extras;
+  const float* __restrict__ p = x.p;
   const uint32_t unguarded = x.guard_eps ? 0u : 0xFFFFFFFFu;
   for (int64_t j = 0; j < row_size; ++j) {
     const float g_given = g[j];
-    const float gj = WithBits(Bits(g_given) ^ sign_flip);
+    float gj;
+    if constexpr (kBranchFree) {
+      gj = WithBits(Bits(g_given) ^ sign_flip);
+    } else {
+      gj = maximize ? -g_given : g_given;
+    }
     float mj = ToFloat(m[j]);
     float vj = ToFloat(v[j]);
     float pj = 0.0f;
@@ -283,8 +292,9 @@ OSA_MULTIVERSIONED_TEMPLATE void AdamRow(
       }
     }
     const float m_new = StoreMoment<kStochastic>(&m[j], mj + (gj - mj) * one_minus_b1, m_key, j);
+    const float g_squared = kBranchFree ? g_given * g_given : gj * gj;
     const float v_new =
-        StoreMoment<kStochastic>(&v[j], vj + (g_given * g_given - vj) * one_minus_b2, v_key, j);
+        StoreMoment<kStochastic>(&v[j], vj + (g_squared - vj) * one_minus_b2, v_key, j);
     float delta = neg_step_size * (m_new / (std::sqrt(v_new) + eps));
     // XLA:CPU contracts this one product and difference into a fused multiply-add.
     if constexpr (kDecoupled) delta = std::fma(-x.lr_wd, pj, delta);
@@ -613,7 +623,7 @@ ffi::Error FusedAdamCatchUpImpl(
         if (decoupled) x.p = p + row * row_size;
         const auto run = [&](auto decay, auto caught) {
           AdamRow<MuT, NuT, kStochastic, decltype(decay)::value, decltype(caught)::value>(
-              g, m, v, row_size, maximize, c[0], c[1], c[2], neg_step_size, m_key, v_key, x);
+              g, m, v, row_size, maximize, c[0], c[1], c[2], neg_step_size, m_key, v_key, &x);
         };
         if (!catch_up) {
           if (decoupled) return run(std::true_type{}, std::false_type{});
