@@ -5,15 +5,18 @@ and state donated) of an embedding table of V rows of D float32 values from a
 gradient of B Zipf-distributed ids, in one process:
 
 - the lazy step as users get it (on the CPU: the fused CPU kernels);
-- the lazy step in XLA ops (the kernels off: the path catch-up runs, and what
-  GPUs and TPUs run);
-- the catch-up step (XLA ops: the CPU kernels have no catch-up variant);
-- the same two with amsgrad (whose catch-up is exact);
+- the catch-up step as users get it (on the CPU: the same fused kernel,
+  catching the rows up as it updates them);
+- the same two in XLA ops (the kernels off: what GPUs and TPUs run);
+- lazy and catch-up AdamW (decoupled weight decay), as run (on the CPU: lazy
+  AdamW in XLA ops, catch-up AdamW in the fused kernel);
+- the lazy and catch-up steps with amsgrad (XLA ops: the kernel has no
+  amsgrad; its catch-up is exact);
 - `catch_up_all_rows` (O(V): every row), jitted and donated, for scale.
 
-Ratios compare with the lazy step in XLA ops (the same pipeline, the catch-up
-arithmetic added) and with the fused lazy step. Compare ratios, not absolute
-times, on a shared machine.
+Each catch-up step is compared with its lazy counterpart on the same path
+(kernel with kernel, XLA ops with XLA ops), timed in the same interleaved runs.
+Compare ratios, not absolute times, on a shared machine.
 
 Run from the repository root:
 
@@ -36,11 +39,30 @@ from benchmarks._timing import best_seconds, ratio
 
 VARIANTS = {
   "lazy, as run (CPU kernels where they apply)": ({}, None),
+  "catch-up, as run": ({"catch_up_idle_rows": True}, None),
   "lazy, XLA ops": ({}, False),
-  "catch-up": ({"catch_up_idle_rows": True}, None),
+  "catch-up, XLA ops": ({"catch_up_idle_rows": True}, False),
+  "lazy AdamW, as run": ({"weight_decay": 1e-2, "decoupled": True}, None),
+  "catch-up AdamW, as run": ({"weight_decay": 1e-2, "decoupled": True, "catch_up": True}, None),
   "lazy amsgrad, XLA ops": ({"amsgrad": True}, False),
   "catch-up amsgrad": ({"amsgrad": True, "catch_up_idle_rows": True}, None),
 }
+# Each catch-up step against the lazy step of its own path.
+PAIRS = {
+  "CPU kernel (as run)": ("catch-up, as run", "lazy, as run (CPU kernels where they apply)"),
+  "XLA ops": ("catch-up, XLA ops", "lazy, XLA ops"),
+  "AdamW, as run (lazy: XLA ops)": ("catch-up AdamW, as run", "lazy AdamW, as run"),
+  "amsgrad, XLA ops": ("catch-up amsgrad", "lazy amsgrad, XLA ops"),
+}
+
+
+def _optimizer(kwargs: dict):
+  """sparse_adam, or sparse_adamw for a variant with `decoupled` (catch-up with `catch_up`)."""
+  kwargs = dict(kwargs)
+  if kwargs.pop("decoupled", False):
+    catch_up = kwargs.pop("catch_up", False)
+    return osa.sparse_adamw(1e-3, catch_up_idle_rows=catch_up, **kwargs)
+  return osa.sparse_adam(1e-3, **kwargs)
 
 
 def _runner(opt, grads, num_rows: int, dim: int, cpu_kernels: bool | None):
@@ -75,7 +97,7 @@ def interleaved_step_times(ids, values, num_rows, *, steps: int, repeats: int) -
     for i, v in zip(ids, values, strict=True)
   ]
   runs = {
-    name: _runner(osa.sparse_adam(1e-3, **kwargs), grads, num_rows, dim, cpu_kernels)
+    name: _runner(_optimizer(kwargs), grads, num_rows, dim, cpu_kernels)
     for name, (kwargs, cpu_kernels) in VARIANTS.items()
   }
   best = dict.fromkeys(runs, math.inf)
@@ -131,8 +153,9 @@ def main(argv=None) -> None:
     print(
       f"| {name} | {seconds * 1e3:.3f} ms | {ratio(seconds, lazy_xla)} | {ratio(seconds, lazy)} |"
     )
-  ams = ratio(times["catch-up amsgrad"], times["lazy amsgrad, XLA ops"])
-  print(f"\ncatch-up amsgrad vs lazy amsgrad (both XLA ops): {ams}")
+  print("\ncatch-up step vs the lazy step of the same path (this run):")
+  for label, (caught, plain) in PAIRS.items():
+    print(f"  {label}: {ratio(times[caught], times[plain])}")
   print(
     f"catch_up_all_rows over all {v:,} rows: {every_row * 1e3:.3f} ms "
     f"({ratio(every_row, lazy)} a lazy step)"

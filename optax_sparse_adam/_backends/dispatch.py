@@ -8,7 +8,8 @@ in Python; what depends on the backend the step is lowered for is left to
 the rule has one that applies, else the generic XLA ops) on the CPU, to the
 accelerator step (`accelerator`: one sort, no loop) on CUDA, ROCm and TPU, and
 to the generic XLA ops (`xla`) on any other backend. Every path returns the
-same results: on the CPU all three agree bit for bit (tests/backends).
+same results: on the CPU all three agree bit for bit (tests/backends), but for
+the catch-up of idle rows, where the kernel agrees to float32 rounding.
 """
 
 from collections.abc import Callable
@@ -129,8 +130,9 @@ def _differentiated_as(run: Callable[..., Any], generic: Callable[..., Any]) -> 
   """`run`, whose derivatives are those of `generic` (XLA ops), for `jax.jvp`, `grad`, `vmap`.
 
   The CPU kernels are FFI calls, which JAX cannot differentiate; they compute
-  what `generic` computes bit for bit, so a step that is differentiated (through
-  the optimizer, e.g. to tune a learning rate) runs `generic` and its JVP.
+  what `generic` computes bit for bit (catch-up: to float32 rounding), so a step
+  that is differentiated (through the optimizer, e.g. to tune a learning rate)
+  runs `generic` and its JVP.
   """
   wrapped = jax.custom_jvp(run)
 

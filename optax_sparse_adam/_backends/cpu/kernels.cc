@@ -28,10 +28,11 @@
 
 namespace ffi = xla::ffi;
 
-// x86-64 Linux builds carry an AVX2 clone of the row loops, picked at load time;
+// x86-64 Linux builds carry an x86-64-v3 clone (AVX2 and FMA) of the row loops,
+// picked at load time;
 // elsewhere the compiler's baseline ISA is used.
 #if defined(__x86_64__) && defined(__linux__) && defined(__GNUC__)
-#define OSA_MULTIVERSIONED __attribute__((target_clones("avx2", "default")))
+#define OSA_MULTIVERSIONED __attribute__((target_clones("arch=x86-64-v3", "default")))
 #else
 #define OSA_MULTIVERSIONED
 #endif
@@ -49,10 +50,25 @@ namespace {
 constexpr int64_t kPrefetchRows = 8;
 constexpr int64_t kBytesPerLine = 64;
 
+// Prefetches the cache line holding `p` (on x86-64 into every cache level, as
+// `__builtin_prefetch(p, 1)` does there). An asm statement, not the builtin: GCC
+// counts the builtin as free of side effects, so a function (a lambda) that only
+// prefetches is found pure and its calls are deleted as dead before it is
+// inlined; the Adam step had lost its prefetches so.
+inline void PrefetchLine(const void* p) {
+#if defined(__GNUC__) && defined(__x86_64__)
+  asm volatile("prefetcht0 %0" : : "m"(*static_cast<const char*>(p)));
+#elif defined(__GNUC__) && defined(__aarch64__)
+  asm volatile("prfm pstl1keep, %0" : : "Q"(*static_cast<const char*>(p)));
+#else
+  __builtin_prefetch(p, 1);
+#endif
+}
+
 template <typename T>
 inline void PrefetchRow(const T* row, int64_t row_size) {
   constexpr int64_t kPerLine = kBytesPerLine / sizeof(T);
-  for (int64_t j = 0; j < row_size; j += kPerLine) __builtin_prefetch(row + j, 1);
+  for (int64_t j = 0; j < row_size; j += kPerLine) PrefetchLine(row + j);
 }
 
 // Random row accesses are bound by memory latency, so each core adds loads in
@@ -150,6 +166,17 @@ inline float ToFloat(uint16_t bits) {
   return x;
 }
 
+inline uint32_t Bits(float x) {
+  uint32_t word;
+  std::memcpy(&word, &x, sizeof(word));
+  return word;
+}
+inline float WithBits(uint32_t word) {
+  float x;
+  std::memcpy(&x, &word, sizeof(x));
+  return x;
+}
+
 // MurmurHash3's 32-bit finalizer, as `rounding.fmix32`.
 inline uint32_t Fmix32(uint32_t x) {
   x ^= x >> 16;
@@ -171,12 +198,7 @@ inline uint32_t RowKey(uint32_t slot_key, int64_t row) {
 // 0xFFFF keeps it inf; only NaN is replaced, by the quiet NaN of its sign, as
 // XLA converts it.
 template <bool kStochastic>
-inline float StoreMoment(float* dst, float x, uint32_t, int64_t) {
-  *dst = x;
-  return x;
-}
-template <bool kStochastic>
-inline float StoreMoment(uint16_t* dst, float x, uint32_t row_key, int64_t j) {
+inline uint16_t Bf16Bits(float x, uint32_t row_key, int64_t j) {
   uint32_t word;
   std::memcpy(&word, &x, sizeof(word));
   const uint32_t add = kStochastic
@@ -184,27 +206,100 @@ inline float StoreMoment(uint16_t* dst, float x, uint32_t row_key, int64_t j) {
       : 0x7FFFu + ((word >> 16) & 1u);
   const uint32_t rounded = (word + add) >> 16;
   const uint32_t quiet_nan = ((word >> 16) & 0x8000u) | 0x7FC0u;
-  const uint16_t bits =
-      static_cast<uint16_t>((word & 0x7FFFFFFFu) > 0x7F800000u ? quiet_nan : rounded);
+  return static_cast<uint16_t>((word & 0x7FFFFFFFu) > 0x7F800000u ? quiet_nan : rounded);
+}
+template <bool kStochastic>
+inline float StoreMoment(float* dst, float x, uint32_t, int64_t) {
+  *dst = x;
+  return x;
+}
+template <bool kStochastic>
+inline float StoreMoment(uint16_t* dst, float x, uint32_t row_key, int64_t j) {
+  const uint16_t bits = Bf16Bits<kStochastic>(x, row_key, j);
   *dst = bits;
   return ToFloat(bits);
 }
 
+// `x` rounded to nearest in the format of `T` (`astype`), as a float.
+inline float RoundedAs(float x, const float*) { return x; }
+inline float RoundedAs(float x, const uint16_t*) { return ToFloat(Bf16Bits<false>(x, 0, 0)); }
+
+// What the pipeline does around the rule for one row (`xla.masked_step`): the
+// catch-up of its idle steps (`catch_up.idle_rows`: the moments' decay
+// `pow_b1`, `pow_b2`, the discharge's `by_b1` and `by_r`, AdamW's
+// `decay_minus_one` = d^k - 1) and decoupled weight decay (`lr_wd`, the row
+// of the parameter `p`).
+struct RowExtras {
+  const float* p = nullptr;
+  float lr_wd = 0.0f;
+  bool guard_eps = false;  // 1 / (sqrt(v) + eps) is 0 where that sum is not > 0
+  float pow_b1 = 1.0f;
+  float pow_b2 = 1.0f;
+  float by_b1 = 0.0f;
+  float by_r = 0.0f;
+  float decay_minus_one = 0.0f;
+};
+
 // The moment and parameter arithmetic of one row, in AdamRule.update's order;
-// the delta is computed from the moments as stored.
-template <typename MuT, typename NuT, bool kStochastic>
+// the delta is computed from the moments as stored. With `kCatchUp` the row's
+// idle steps are caught up first and with `kDecoupled` its decoupled weight
+// decay is added, both in `xla.masked_step`'s order (`x`).
+template <typename MuT, typename NuT, bool kStochastic, bool kDecoupled = false,
+          bool kCatchUp = false>
 OSA_MULTIVERSIONED_TEMPLATE void AdamRow(
     float* __restrict__ g, MuT* __restrict__ m, NuT* __restrict__ v, int64_t row_size,
     bool maximize, float one_minus_b1, float one_minus_b2, float eps, float neg_step_size,
-    uint32_t m_key, uint32_t v_key) {
+    uint32_t m_key, uint32_t v_key, const RowExtras* extras = nullptr) {
+  // GCC unswitches the loop on `maximize`, and then gives up vectorizing the
+  // larger bf16 and catch-up loops: there maximize flips a sign bit instead (a
+  // negation, as in XLA: NaNs flip sign too), with no switch left in the loop.
+  // The square is of the gradient as given (XLA folds (-g) * (-g) to g * g,
+  // which differs for NaN; GCC folds the float32 loop's alike).
+  constexpr bool kBranchFree =
+      kCatchUp || !std::is_same_v<MuT, float> || !std::is_same_v<NuT, float>;
+  const uint32_t sign_flip = maximize ? 0x80000000u : 0u;
+  RowExtras x;
+  if constexpr (kDecoupled || kCatchUp) x = *extras;
+  const float* __restrict__ p = x.p;
+  const uint32_t unguarded = x.guard_eps ? 0u : 0xFFFFFFFFu;
   for (int64_t j = 0; j < row_size; ++j) {
-    const float gj = maximize ? -g[j] : g[j];  // a negation, as in XLA: NaNs flip sign too
-    const float mj = ToFloat(m[j]);
-    const float vj = ToFloat(v[j]);
+    const float g_given = g[j];
+    float gj;
+    if constexpr (kBranchFree) {
+      gj = WithBits(Bits(g_given) ^ sign_flip);
+    } else {
+      gj = maximize ? -g_given : g_given;
+    }
+    float mj = ToFloat(m[j]);
+    float vj = ToFloat(v[j]);
+    float pj = 0.0f;
+    float shift = 0.0f;
+    if constexpr (kDecoupled) pj = p[j];
+    if constexpr (kCatchUp) {
+      const float root = std::sqrt(vj);
+      const float denom = root + eps;
+      // 1 / denom, or 0 where denom is not > 0 if guarded.
+      const uint32_t keep = denom > 0.0f ? 0xFFFFFFFFu : unguarded;
+      const float inverse = WithBits(Bits(1.0f / denom) & keep);
+      const float ratio = mj * inverse;
+      const float w = root * inverse;
+      shift = -ratio * (x.by_b1 + w * (x.by_r - x.by_b1));
+      mj = RoundedAs(mj * x.pow_b1, m);
+      vj = RoundedAs(vj * x.pow_b2, v);
+      if constexpr (kDecoupled) {
+        shift = shift + x.decay_minus_one * pj;
+        pj = pj + shift;
+      }
+    }
     const float m_new = StoreMoment<kStochastic>(&m[j], mj + (gj - mj) * one_minus_b1, m_key, j);
+    const float g_squared = kBranchFree ? g_given * g_given : gj * gj;
     const float v_new =
-        StoreMoment<kStochastic>(&v[j], vj + (gj * gj - vj) * one_minus_b2, v_key, j);
-    g[j] = neg_step_size * (m_new / (std::sqrt(v_new) + eps));
+        StoreMoment<kStochastic>(&v[j], vj + (g_squared - vj) * one_minus_b2, v_key, j);
+    float delta = neg_step_size * (m_new / (std::sqrt(v_new) + eps));
+    // XLA:CPU contracts this one product and difference into a fused multiply-add.
+    if constexpr (kDecoupled) delta = std::fma(-x.lr_wd, pj, delta);
+    if constexpr (kCatchUp) delta = delta + shift;
+    g[j] = delta;
   }
 }
 
@@ -323,12 +418,17 @@ struct MomentStep {
   ffi::Result<ffi::AnyBuffer>& nu_out;
 };
 
+struct NoPrefetch {
+  void operator()(int64_t) const {}
+};
+
 // Checks a step's buffers, starts undonated outputs from the inputs, and runs
-// `update(m, v, g, m_key, v_key)` on each distinct row with typed pointers to
-// its moments (`Stochastic` in the update's template arguments). `nu_per_row`:
-// nu holds one value per row instead of a row.
-template <int kNumCoeffs, bool kNuPerRow, typename Update>
-ffi::Error RunMomentStep(MomentStep& step, Update update) {
+// `update(rounding, row, m, v, g, row_size, m_key, v_key)` on each distinct row
+// with typed pointers to its moments (`rounding::value`: stochastic rounding).
+// `kNuPerRow`: nu holds one value per row instead of a row. `prefetch(row)`
+// prefetches the row in the rule's other tables, if any.
+template <int kNumCoeffs, bool kNuPerRow, typename Update, typename Prefetch = NoPrefetch>
+ffi::Error RunMomentStep(MomentStep& step, Update update, Prefetch prefetch = Prefetch{}) {
   const int64_t nse = static_cast<int64_t>(step.rows.element_count());
   const int64_t row_size = RowSize(step.mu.element_count(), step.num_rows);
   const int64_t nu_row_size = kNuPerRow ? 1 : row_size;
@@ -338,7 +438,7 @@ ffi::Error RunMomentStep(MomentStep& step, Update update) {
   if (static_cast<int64_t>(step.values.element_count()) != nse * row_size) {
     return ffi::Error::InvalidArgument("values must hold nse rows of the tables' row size");
   }
-  if (step.coeffs.element_count() != kNumCoeffs) {
+  if (static_cast<int64_t>(step.coeffs.element_count()) != kNumCoeffs) {
     return ffi::Error::InvalidArgument("coeffs has the wrong size for this rule");
   }
   if (step.keys.element_count() != 3) return ffi::Error::InvalidArgument("keys must be (3,)");
@@ -360,9 +460,10 @@ ffi::Error RunMomentStep(MomentStep& step, Update update) {
         [&](int64_t row) {
           PrefetchRow(m + row * row_size, row_size);
           PrefetchRow(v + row * nu_row_size, nu_row_size);
+          prefetch(row);
         },
         [&](int64_t row, float* g) {
-          update(rounding, m + row * row_size, v + row * nu_row_size, g, row_size,
+          update(rounding, row, m + row * row_size, v + row * nu_row_size, g, row_size,
                  kStochastic ? RowKey(mu_key, row + row_offset) : 0u,
                  kStochastic ? RowKey(nu_key, row + row_offset) : 0u);
         });
@@ -383,12 +484,168 @@ ffi::Error FusedAdamImpl(ffi::Buffer<ffi::S32> rows, ffi::Buffer<ffi::F32> value
   const float* c = coeffs.typed_data();
   const float neg_step_size = -c[3];
   return RunMomentStep<4, false>(
-      step, [&](auto rounding, auto* m, auto* v, float* g, int64_t row_size, uint32_t m_key,
-                uint32_t v_key) {
+      step, [&](auto rounding, int64_t, auto* m, auto* v, float* g, int64_t row_size,
+                uint32_t m_key, uint32_t v_key) {
         using MuT = std::remove_pointer_t<decltype(m)>;
         using NuT = std::remove_pointer_t<decltype(v)>;
         AdamRow<MuT, NuT, decltype(rounding)::value>(g, m, v, row_size, maximize, c[0], c[1], c[2],
                                                      neg_step_size, m_key, v_key);
+      });
+}
+
+// Catch-up of idle rows (`_core/catch_up.py`) in float32, operation for
+// operation as `catch_up.idle_rows` computes it in XLA; the step's constants
+// come computed by XLA (kernels.py), the per-row values (powers, decayed sums,
+// step sizes at the windows' centroids) are computed here with the C library's
+// exp and expm1, which may differ from XLA's in the last bit.
+//
+// The constants of one base x of a geometric sum (b1, or r = b1 / sqrt(b2)).
+struct CatchUpBase {
+  float log_x;
+  float log_ratio;    // log x - log d
+  float small;        // -|log_ratio|, -inf where it is not finite
+  float expm1_small;  // expm1(small) (expm1(-1) where small is 0: unused)
+  float one_minus_x;  // -expm1(log x)
+};
+
+struct CatchUpConstants {
+  int32_t step;
+  float log_b1, log_b2, log_d, lr, step_size;
+  bool given_step_size, decoupled;
+  CatchUpBase b1, r;
+};
+
+// `base^k` as `exp(k log base)`, 1 at k = 0 (`catch_up._pow`).
+inline float PowOf(float log_base, float k) { return k == 0.0f ? 1.0f : std::exp(k * log_base); }
+
+// `sum_{j=1..k} d^(k-j) x^j` (`catch_up.decayed_sum`).
+inline float DecayedSum(const CatchUpBase& x, float log_d, float k) {
+  if (k == 0.0f) return 0.0f;
+  const float geometric = x.small == 0.0f ? k : std::expm1(k * x.small) / x.expm1_small;
+  const float lead = x.log_ratio <= 0.0f ? (k - 1.0f) * log_d + x.log_x : k * x.log_x;
+  return std::exp(lead) * geometric;
+}
+
+// The window's step size at its centroid (`catch_up._centroid`,
+// `adam.bias_corrected_step_size`), or the step size given.
+inline float CentroidStepSize(const CatchUpConstants& c, const CatchUpBase& x, int32_t last,
+                              float k) {
+  if (c.given_step_size) return c.step_size;
+  const float x_k = PowOf(x.log_x, k);
+  const float safe = x_k == 1.0f ? 1.0f : 1.0f - x_k;
+  float centroid = 1.0f / x.one_minus_x - k * x_k / safe;
+  centroid = std::nearbyint(std::isfinite(centroid) ? centroid : 1.0f);  // ties to even
+  centroid = std::min(std::max(centroid, 1.0f), std::max(k, 1.0f));
+  const float t = static_cast<float>(last) + centroid;
+  const float bias_correction1 = -std::expm1(t * c.log_b1);
+  const float bias_correction2 = -std::expm1(t * c.log_b2);
+  return c.lr * std::sqrt(bias_correction2) / bias_correction1;
+}
+
+// The per-row values of a row last updated at step `last`.
+struct CatchUpRow {
+  int32_t last;
+  float pow_b1, pow_b2, by_b1, by_r, decay_minus_one;
+};
+
+CatchUpRow CatchUpRowOf(const CatchUpConstants& c, int32_t last) {
+  const int32_t idle = std::max(c.step - 1 - last, 0);
+  const float k = static_cast<float>(idle);
+  CatchUpRow row{last, PowOf(c.log_b1, k), PowOf(c.log_b2, k), 0.0f, 0.0f, 0.0f};
+  row.by_b1 = CentroidStepSize(c, c.b1, last, k) * DecayedSum(c.b1, c.log_d, k);
+  row.by_r = CentroidStepSize(c, c.r, last, k) * DecayedSum(c.r, c.log_d, k);
+  if (c.decoupled) row.decay_minus_one = k == 0.0f ? 0.0f : std::expm1(k * c.log_d);
+  return row;
+}
+
+// Rows idle since the same step share their values (all rows never touched, all
+// rows touched at the last step): a small cache per thread, keyed by the last
+// step, emptied at each call.
+constexpr int kCatchUpCacheSize = 256;
+std::atomic<uint64_t> catch_up_calls{0};
+
+const CatchUpRow& CachedCatchUpRow(const CatchUpConstants& c, int32_t last, uint64_t call) {
+  thread_local uint64_t cache_call = 0;
+  thread_local CatchUpRow cache[kCatchUpCacheSize];
+  if (cache_call != call) {
+    cache_call = call;
+    for (CatchUpRow& entry : cache) entry.last = -1;  // steps are >= 0
+  }
+  CatchUpRow& entry = cache[static_cast<uint32_t>(last) % kCatchUpCacheSize];
+  if (entry.last != last || last < 0) entry = CatchUpRowOf(c, last);
+  return entry;
+}
+
+// The Adam step with what the pipeline adds around the rule, in the kernel:
+// catch-up of idle rows and/or decoupled weight decay. Buffers as the Adam
+// step's, then param f32 (the parameter in its own shape, read; empty without
+// weight decay), last_step s32 (num_rows,) (each row's last step, updated in
+// place; empty without catch-up), step s32 (1,) (this step's count); coeffs f32
+// (20,) = (1 - b1, 1 - b2, eps, step_size, lr * wd, log b1, log b2, log d, lr,
+// the given step size, then `CatchUpBase` of b1 and of r).
+ffi::Error FusedAdamCatchUpImpl(
+    ffi::Buffer<ffi::S32> rows, ffi::Buffer<ffi::F32> values, ffi::AnyBuffer mu,
+    ffi::AnyBuffer nu, ffi::Buffer<ffi::F32> coeffs, ffi::Buffer<ffi::U32> keys,
+    ffi::Buffer<ffi::F32> param, ffi::Buffer<ffi::S32> last_step, ffi::Buffer<ffi::S32> step_count,
+    int64_t num_rows, bool maximize, bool stochastic, bool decoupled, bool catch_up,
+    bool guard_eps, bool given_step_size, ffi::ThreadPool pool,
+    ffi::ResultBuffer<ffi::S32> distinct_rows, ffi::ResultBuffer<ffi::F32> delta,
+    ffi::Result<ffi::AnyBuffer> mu_out, ffi::Result<ffi::AnyBuffer> nu_out,
+    ffi::ResultBuffer<ffi::S32> last_step_out) {
+  if (decoupled && param.element_count() != mu.element_count()) {
+    return ffi::Error::InvalidArgument("param must have mu's size with weight decay");
+  }
+  if (catch_up && static_cast<int64_t>(last_step.element_count()) != num_rows) {
+    return ffi::Error::InvalidArgument("last_step must hold one step per row with catch-up");
+  }
+  if (step_count.element_count() != 1) return ffi::Error::InvalidArgument("step must be (1,)");
+  int32_t* last = last_step_out->typed_data();
+  if (last != last_step.typed_data() && last_step.element_count() > 0) {
+    std::memcpy(last, last_step.typed_data(), last_step.size_bytes());
+  }
+  MomentStep step{rows,       values, mu,   nu,            coeffs, keys,   num_rows,
+                  stochastic, pool,   distinct_rows, delta, mu_out, nu_out};
+  const float* c = coeffs.typed_data();
+  const float neg_step_size = -c[3];
+  const auto base = [&](int i) { return CatchUpBase{c[i], c[i + 1], c[i + 2], c[i + 3], c[i + 4]}; };
+  const CatchUpConstants constants{step_count.typed_data()[0], c[5], c[6], c[7], c[8], c[9],
+                                   given_step_size, decoupled, base(10), base(15)};
+  const uint64_t call = catch_up_calls.fetch_add(1) + 1;
+  const float* p = param.typed_data();
+  const int64_t table_row_size =
+      num_rows > 0 ? static_cast<int64_t>(mu.element_count()) / num_rows : 0;
+  return RunMomentStep<20, false>(
+      step,
+      [&](auto rounding, int64_t row, auto* m, auto* v, float* g, int64_t row_size,
+          uint32_t m_key, uint32_t v_key) {
+        using MuT = std::remove_pointer_t<decltype(m)>;
+        using NuT = std::remove_pointer_t<decltype(v)>;
+        constexpr bool kStochastic = decltype(rounding)::value;
+        RowExtras x;
+        x.lr_wd = c[4];
+        x.guard_eps = guard_eps;
+        if (decoupled) x.p = p + row * row_size;
+        const auto run = [&](auto decay, auto caught) {
+          AdamRow<MuT, NuT, kStochastic, decltype(decay)::value, decltype(caught)::value>(
+              g, m, v, row_size, maximize, c[0], c[1], c[2], neg_step_size, m_key, v_key, &x);
+        };
+        if (!catch_up) {
+          if (decoupled) return run(std::true_type{}, std::false_type{});
+          return run(std::false_type{}, std::false_type{});
+        }
+        const CatchUpRow& scalars = CachedCatchUpRow(constants, last[row], call);
+        x.pow_b1 = scalars.pow_b1;
+        x.pow_b2 = scalars.pow_b2;
+        x.by_b1 = scalars.by_b1;
+        x.by_r = scalars.by_r;
+        x.decay_minus_one = scalars.decay_minus_one;
+        last[row] = std::max(last[row], constants.step);
+        if (decoupled) return run(std::true_type{}, std::true_type{});
+        return run(std::false_type{}, std::true_type{});
+      },
+      [&](int64_t row) {
+        if (decoupled) PrefetchRow(p + row * table_row_size, table_row_size);
+        if (catch_up) PrefetchLine(last + row);
       });
 }
 
@@ -447,8 +704,8 @@ ffi::Error FusedRowwiseAdamImpl(ffi::Buffer<ffi::S32> rows, ffi::Buffer<ffi::F32
                   stochastic, pool,   distinct_rows, delta, mu_out, nu_out};
   const float* c = coeffs.typed_data();
   return RunMomentStep<6, true>(
-      step, [&](auto rounding, auto* m, auto* v, float* g, int64_t row_size, uint32_t m_key,
-                uint32_t v_key) {
+      step, [&](auto rounding, int64_t, auto* m, auto* v, float* g, int64_t row_size,
+                uint32_t m_key, uint32_t v_key) {
         using MuT = std::remove_pointer_t<decltype(m)>;
         using NuT = std::remove_pointer_t<decltype(v)>;
         thread_local std::vector<float> scratch;
@@ -535,6 +792,31 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(OsaFusedAdamF32, FusedAdamImpl, MomentStepBinding(
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(OsaFusedRowwiseAdamF32, FusedRowwiseAdamImpl,
                               MomentStepBinding());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(OsaFusedAdamCatchUpF32, FusedAdamCatchUpImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Attr<int64_t>("num_rows")
+                                  .Attr<bool>("maximize")
+                                  .Attr<bool>("stochastic")
+                                  .Attr<bool>("decoupled")
+                                  .Attr<bool>("catch_up")
+                                  .Attr<bool>("guard_eps")
+                                  .Attr<bool>("given_step_size")
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::Buffer<ffi::S32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(OsaScatterAddRowsF32, ScatterAddRowsImpl,
                               ffi::Ffi::Bind()

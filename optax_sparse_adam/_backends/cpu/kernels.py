@@ -4,15 +4,18 @@ XLA:CPU runs gathers and scatters element by element; these XLA FFI kernels do
 a step's coalescing, slot updates and parameter scatter-add in one pass per
 table instead. A rule with a kernel variant is listed in `_VARIANTS` by its
 name; the variant computes what `xla.masked_step` computes with that rule, bit
-for bit. The Adam and row-wise Adam variants are used only where they apply: on
-the CPU, float32 gradient and parameter, float32 or bfloat16 moments (stored in
-place, rounded as the step asks), with no amsgrad, weight decay, per-row bias
-correction or catch-up of idle rows, and arrays
-known to be on one device (XLA cannot partition a custom call: it would gather
-a sharded table onto every device, so possibly sharded tables keep the XLA
-path). Everything else runs XLA ops; `lax.platform_dependent` picks per backend
-when the step is lowered (`_backends.dispatch`). Under `jax.vmap` the kernels
-run once per batch element.
+for bit (catch-up of idle rows to float32 rounding: its per-row powers use the
+C library's exp). The Adam and row-wise Adam variants are used only where they
+apply: on the CPU, float32 gradient and parameter, float32 or bfloat16 moments
+(stored in place, rounded as the step asks), with no amsgrad, L2 weight decay
+or per-row bias correction, and arrays known to be on one device (XLA cannot
+partition a custom call: it would gather a sharded table onto every device, so
+possibly sharded tables keep the XLA path). The Adam variant also runs the
+catch-up of idle rows (`catch_up_idle_rows=True`), with decoupled weight decay
+(`sparse_adamw`) too, in the kernel; the row-wise one does not. Everything
+else runs XLA ops; `lax.platform_dependent` picks per backend when the step is
+lowered (`_backends.dispatch`). Under `jax.vmap` the kernels run once per batch
+element.
 
 Set `OPTAX_SPARSE_ADAM_CPU_KERNELS=0` (before the first step is traced), or use
 `use_cpu_kernels(False)`, to use the XLA path on the CPU too.
@@ -36,6 +39,7 @@ from optax_sparse_adam._backends import choice
 from optax_sparse_adam._core import rounding, sharding
 from optax_sparse_adam._core.adam import AdamRule
 from optax_sparse_adam._core.bcoo import RowLayout
+from optax_sparse_adam._core.errors import is_python_number
 from optax_sparse_adam._core.rowwise_adam import (
   RowwiseAdamRule,
   bias_corrections,
@@ -44,6 +48,7 @@ from optax_sparse_adam._core.rowwise_adam import (
 from optax_sparse_adam._core.rules import RowsStep, StepInputs, StepPlan, Tables
 
 _FUSED_ADAM = "optax_sparse_adam_fused_adam_f32"
+_FUSED_ADAM_CATCH_UP = "optax_sparse_adam_fused_adam_catch_up_f32"
 _FUSED_ROWWISE_ADAM = "optax_sparse_adam_fused_rowwise_adam_f32"
 _SCATTER_ADD_ROWS = "optax_sparse_adam_scatter_add_rows_f32"
 # Under jax.vmap a kernel runs once per batch element (a loop around the call).
@@ -82,6 +87,9 @@ def available() -> bool:
     library = ctypes.CDLL(str(path))
     jax.ffi.register_ffi_target(
       _FUSED_ADAM, jax.ffi.pycapsule(library.OsaFusedAdamF32), platform="cpu"
+    )
+    jax.ffi.register_ffi_target(
+      _FUSED_ADAM_CATCH_UP, jax.ffi.pycapsule(library.OsaFusedAdamCatchUpF32), platform="cpu"
     )
     jax.ffi.register_ffi_target(
       _FUSED_ROWWISE_ADAM, jax.ffi.pycapsule(library.OsaFusedRowwiseAdamF32), platform="cpu"
@@ -215,13 +223,148 @@ def _rounding_keys(inputs: StepInputs, plan: StepPlan) -> jax.Array:
 
 def _adam_applies(inputs: StepInputs, plan: StepPlan) -> bool:
   rule = plan.rule
-  return isinstance(rule, AdamRule) and not rule.amsgrad and _plain_step_applies(inputs, plan)
+  if not isinstance(rule, AdamRule) or rule.amsgrad:
+    return False
+  return _plain_step_applies(inputs, plan) or _adam_catch_up_applies(inputs, plan)
 
 
 def _adam_step(inputs: StepInputs, plan: StepPlan) -> RowsStep:
   assert isinstance(plan.rule, AdamRule)
+  if not _plain_step_applies(inputs, plan):
+    return _adam_catch_up_step(inputs, plan)
   step_size = plan.rule.step_size(inputs.hyper, inputs.step)
   return _moment_step(_FUSED_ADAM, inputs, plan, [step_size])
+
+
+def _adam_catch_up_applies(inputs: StepInputs, plan: StepPlan) -> bool:
+  """Adam with catch-up of idle rows, with or without decoupled weight decay.
+
+  Not lazy AdamW alone: XLA rounds its `delta - lr * wd * p` once (a fused
+  multiply-add) under jit and twice op by op, so no kernel equals both; the
+  catch-up step is equal to float32 rounding only anyway (jit's FMA, here).
+  """
+  tables, hyper, config = inputs.tables, inputs.hyper, plan.config
+  decoupled = config.weight_decay == "decoupled"
+  catch_up = tables.last_step is not None
+  if not catch_up or config.weight_decay == "l2" or tables.row_step is not None:
+    return False
+  if decoupled and (tables.param is None or hyper.learning_rate is None):
+    return False
+  if catch_up and (inputs.step is None or hyper.log_b1 is None or hyper.log_b2 is None):
+    return False
+  if catch_up and hyper.step_size is None and hyper.learning_rate is None:
+    return False
+  if inputs.step is None and config.moment_rounding != "nearest":
+    return False
+  extra = (tables.param,) if decoupled else ()
+  last_step = () if tables.last_step is None else (tables.last_step,)
+  return (
+    jnp.dtype(config.compute_dtype) == jnp.dtype(jnp.float32)
+    and all(jnp.dtype(x.dtype) == jnp.dtype(jnp.int32) for x in last_step)
+    and sharding.on_one_cpu_device(last_step)
+    and _applies(
+      (inputs.values, *extra),
+      nse=inputs.values.shape[0],
+      num_rows=plan.layout.num_rows,
+      row_size=math.prod(plan.layout.dense_shape),
+      moments=(tables.slots["mu"], tables.slots["nu"]),
+    )
+  )
+
+
+def _catch_up_coefficients(inputs: StepInputs, plan: StepPlan) -> list[Any]:
+  """`lr * wd`, then the constants of `catch_up.idle_rows` as XLA computes them (float32)."""
+  f32 = jnp.float32
+  hyper = inputs.hyper
+
+  def c(x: Any) -> jax.Array:
+    return jnp.asarray(0.0 if x is None else x, f32)
+
+  decoupled = plan.config.weight_decay == "decoupled"
+  lr_wd = c(hyper.learning_rate) * c(hyper.weight_decay) if decoupled else c(0.0)
+  log_b1, log_b2 = c(hyper.log_b1), c(hyper.log_b2)
+  log_d = jnp.log1p(-c(hyper.learning_rate) * c(hyper.weight_decay)) if decoupled else c(0.0)
+
+  def base(log_x: jax.Array) -> list[jax.Array]:
+    # As catch_up.decayed_sum, _geometric_sum and _centroid compute them.
+    log_ratio = jnp.asarray(log_x - log_d, f32)
+    small = -jnp.abs(jnp.where(jnp.isfinite(log_ratio), log_ratio, -jnp.inf))
+    expm1_small = jnp.expm1(jnp.where(small == 0, -1.0, small))
+    return [log_x, log_ratio, small, expm1_small, -jnp.expm1(log_x)]
+
+  return [
+    lr_wd,
+    log_b1,
+    log_b2,
+    log_d,
+    c(hyper.learning_rate),
+    c(hyper.step_size),
+    *base(log_b1),
+    *base(log_b1 - 0.5 * log_b2),
+  ]
+
+
+def _adam_catch_up_step(inputs: StepInputs, plan: StepPlan) -> RowsStep:
+  """The Adam step with catch-up (and decoupled weight decay if asked): one FFI call.
+
+  As `_moment_step`, with the parameter (read for weight decay) and the rows'
+  last steps (updated in place when donated). Equal to `xla.masked_step` to
+  float32 rounding: the per-row powers and sums of catch-up use the C
+  library's exp and expm1, not XLA's (tests/backends/test_cpu_catch_up.py).
+  """
+  assert isinstance(plan.rule, AdamRule)
+  f32, i32 = jnp.float32, jnp.int32
+  hyper, tables, config = inputs.hyper, inputs.tables, plan.config
+  decoupled = config.weight_decay == "decoupled"
+  catch_up = tables.last_step is not None
+  mu, nu = tables.slots["mu"], tables.slots["nu"]
+  param = tables.param if decoupled else None
+  last_step = tables.last_step if catch_up else None
+  param = jnp.zeros((0,), f32) if param is None else param
+  last_step = jnp.zeros((0,), i32) if last_step is None else last_step
+  step = jnp.zeros((1,), i32) if inputs.step is None else jnp.reshape(inputs.step, (1,))
+  coefficients = [
+    hyper.one_minus_b1,
+    hyper.one_minus_b2,
+    hyper.eps,
+    plan.rule.step_size(hyper, inputs.step),
+    *_catch_up_coefficients(inputs, plan),
+  ]
+  nse = inputs.rows.shape[0]
+  out_types = (
+    jax.ShapeDtypeStruct((nse,), i32),
+    jax.ShapeDtypeStruct(inputs.values.shape, f32),
+    jax.ShapeDtypeStruct(mu.shape, mu.dtype),
+    jax.ShapeDtypeStruct(nu.shape, nu.dtype),
+    jax.ShapeDtypeStruct(last_step.shape, i32),
+  )
+  call = jax.ffi.ffi_call(
+    _FUSED_ADAM_CATCH_UP,
+    out_types,
+    input_output_aliases={2: 2, 3: 3, 7: 4},
+    vmap_method=_VMAP_METHOD,
+  )
+  distinct_rows, delta, mu, nu, last_step = call(
+    inputs.rows,
+    inputs.values,
+    mu,
+    nu,
+    jnp.stack([jnp.asarray(x, f32) for x in coefficients]),
+    _rounding_keys(inputs, plan),
+    param,
+    last_step,
+    step.astype(i32),
+    num_rows=plan.layout.num_rows,
+    maximize=config.maximize,
+    stochastic=config.moment_rounding == "stochastic",
+    decoupled=decoupled,
+    catch_up=catch_up,
+    # catch_up.idle_rows divides by sqrt(v) + eps unguarded only for a Python eps > 0.
+    guard_eps=not (is_python_number(hyper.eps) and hyper.eps > 0),
+    given_step_size=hyper.step_size is not None,
+  )
+  new_tables = Tables({"mu": mu, "nu": nu}, last_step=last_step if catch_up else None)
+  return RowsStep(distinct_rows, delta, new_tables)
 
 
 def _rowwise_adam_applies(inputs: StepInputs, plan: StepPlan) -> bool:
