@@ -25,9 +25,10 @@ update's slots (`routing.spread_rows`); `apply_updates` then sees rows on
 devices that do not own them and all-gathers the update. Nothing is dropped;
 such a step costs what the partitioned step costs.
 
-The tables ride a `while_loop` (one round unless the step overflows), not a
-`cond`: XLA updates a loop's carry in place, but copies a table that a cond's
-branch both reads and writes.
+The tables ride a `while_loop` (one round unless the step overflows), and the
+applied parameter two loops of one trip or none, not a `cond`: XLA updates a
+loop's carry in place, but copies a table that a cond's branch both reads and
+writes.
 
 Routing is chosen at trace time where the arrays' shardings are known there:
 concrete arrays, and arrays typed on a mesh with `Explicit` axes. Under `Auto`
