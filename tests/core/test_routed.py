@@ -164,8 +164,8 @@ def test_routed_path_sends_one_all_to_all_of_the_buckets(checks, run):
 def test_the_donated_routed_step_updates_the_table_in_place(checks, run):
   """The compiled train step (`update` + `apply_updates`, donated) writes the table into
   its own buffer and copies no buffer of a table shard's size: a step's work follows
-  the rows it touches, not the table's size (issue 20: a `lax.cond` around the apply
-  copied the shard every step)."""
+  the rows it touches, not the table's size (issue 20: a `lax.cond` around the apply put
+  a copy of the shard in the step)."""
   num_shards = 4 if run.startswith("two_axes") else 8
   shard_elements = checks["num_rows"] // num_shards * checks["dim"]
   result = checks["runs"][run]
