@@ -25,9 +25,10 @@ update's slots (`routing.spread_rows`); `apply_updates` then sees rows on
 devices that do not own them and all-gathers the update. Nothing is dropped;
 such a step costs what the partitioned step costs.
 
-The tables ride a `while_loop` (one round unless the step overflows), not a
-`cond`: XLA updates a loop's carry in place, but copies a table that a cond's
-branch both reads and writes.
+The tables ride a `while_loop` (one round unless the step overflows), and the
+applied parameter two loops of one trip or none, not a `cond`: XLA updates a
+loop's carry in place, but copies a table that a cond's branch both reads and
+writes.
 
 Routing is chosen at trace time where the arrays' shardings are known there:
 concrete arrays, and arrays typed on a mesh with `Explicit` axes. Under `Auto`
@@ -362,14 +363,17 @@ def scatter_add(
     shard = lax.axis_index(axis)
     local = routing.to_local(rows, shard, rows_per_shard)
     foreign = jnp.any((rows < num_rows) & (local == rows_per_shard))
-    foreign = lax.pmax(foreign.astype(jnp.int32), axis) > 0
+    foreign = lax.pmax(foreign.astype(jnp.int32), axis)  # 1 on every device, or 0
 
     @jax.named_scope(OVERFLOW_SCOPE)
     def gathered(param):
       all_rows, all_values = routing.gather_all(rows, values, axis, max_row=num_rows)
       return add(param, routing.to_local(all_rows, shard, rows_per_shard), all_values)
 
-    return lax.cond(foreign, gathered, lambda p: add(p, local, values), param)
+    # Two loops of one trip or none, not a cond: XLA updates a loop's carry in
+    # place, but copies a table that a cond's branch both reads and writes.
+    param = _repeat(gathered, foreign, param)
+    return _repeat(lambda p: add(p, local, values), 1 - foreign, param)
 
   rows = bcoo.linear_rows(update.indices, layout)
   table_spec = _row_spec(axis, param.ndim)
@@ -379,6 +383,14 @@ def scatter_add(
     in_specs=(table_spec, PartitionSpec(axis), _row_spec(axis, update.data.ndim)),
     out_specs=table_spec,
   )(param, rows, update.data)
+
+
+def _repeat(fn: Callable[[jax.Array], jax.Array], trips: jax.Array, x: jax.Array) -> jax.Array:
+  """`fn` applied `trips` times to `x`, which rides a `while_loop`'s carry (updated in place)."""
+  _, x = lax.while_loop(
+    lambda loop: loop[0] < trips, lambda loop: (loop[0] + 1, fn(loop[1])), (jnp.int32(0), x)
+  )
+  return x
 
 
 def per_shard(body: Callable[..., Any], mesh: Any, *, in_specs: Any, out_specs: Any) -> Any:

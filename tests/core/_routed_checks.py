@@ -39,6 +39,9 @@ COLLECTIVE = re.compile(
   r"collective-permute)(?:-start)?\("
 )
 ARRAY_TYPE = re.compile(r"[a-z]+\d*\[([\d,]*)\]")
+COPY = re.compile(r"=\s*(?P<type>.*?)\s+copy(?:-start)?\(")
+# The donated table (the step's first argument) is written in place into the first output.
+TABLE_ALIASED = re.compile(r"input_output_alias=\{.*\{0\}: \(0, \{\}")
 
 
 def ids_of(kind, rng):
@@ -107,12 +110,21 @@ def collectives(hlo_text):
     match = COLLECTIVE.search(line)
     if match is None:
       continue
-    sizes = [
-      int(np.prod([int(d) for d in dims.split(",") if d])) if dims else 1
-      for dims in ARRAY_TYPE.findall(match["type"])
-    ]
-    found.append((match["op"], sum(sizes), routed.OVERFLOW_SCOPE in line))
+    found.append((match["op"], sum(element_counts(match["type"])), routed.OVERFLOW_SCOPE in line))
   return found
+
+
+def element_counts(type_text):
+  """The element count of each array in an HLO type (a tuple's arrays, one by one)."""
+  return [
+    int(np.prod([int(d) for d in dims.split(",") if d])) if dims else 1
+    for dims in ARRAY_TYPE.findall(type_text)
+  ]
+
+
+def largest_copy(hlo_text):
+  """The element count of the largest array a `copy` makes in the compiled program (0: none)."""
+  return max((n for m in COPY.finditer(hlo_text) for n in element_counts(m["type"])), default=0)
 
 
 def train(opt_name, kind, *, mesh=None, batch_axis="x", batch=BATCH, seed=0, table_spec=None):
@@ -163,6 +175,9 @@ def train(opt_name, kind, *, mesh=None, batch_axis="x", batch=BATCH, seed=0, tab
     "specs": {k: str(getattr(v.sharding, "spec", None)) for k, v in arrays.items()},
     "collectives": collectives(hlo_text := hlo.compile().as_text()),
     "kernel_calls": hlo_text.count('custom_call_target="optax_sparse_adam_'),
+    # The donated step writes the table in place: no copy of a shard of it.
+    "largest_copy": largest_copy(hlo_text),
+    "table_aliased": TABLE_ALIASED.search(hlo_text) is not None,
     "compilations": jitted._cache_size(),
     "skipped_steps": skipped,
     "warnings": [str(w.message) for w in caught],
@@ -500,7 +515,7 @@ def transformed_steps(mesh):
 
 def main():
   assert jax.device_count() == NUM_DEVICES, jax.devices()
-  results = {"runs": {}, "local": LOCAL, "dim": DIM}
+  results = {"runs": {}, "local": LOCAL, "dim": DIM, "num_rows": NUM_ROWS}
   kinds = (
     "uniform", "zipf", "one_owner", "spread_to_all", "cross_device_duplicates",
     "empty_local_batches", "out_of_range",

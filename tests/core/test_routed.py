@@ -160,6 +160,19 @@ def test_routed_path_sends_one_all_to_all_of_the_buckets(checks, run):
   assert all(size == 1 for op, size in routed_path if op != "all-to-all"), routed_path
 
 
+@pytest.mark.parametrize("run", ROUTED_RUNS)
+def test_the_donated_routed_step_updates_the_table_in_place(checks, run):
+  """The compiled train step (`update` + `apply_updates`, donated) writes the table into
+  its own buffer and copies no buffer of a table shard's size: a step's work follows
+  the rows it touches, not the table's size (issue 20: a `lax.cond` around the apply put
+  a copy of the shard in the step)."""
+  num_shards = 4 if run.startswith("two_axes") else 8
+  shard_elements = checks["num_rows"] // num_shards * checks["dim"]
+  result = checks["runs"][run]
+  assert result["table_aliased"]
+  assert result["largest_copy"] < shard_elements, (result["largest_copy"], shard_elements)
+
+
 @pytest.mark.parametrize("run", UNROUTED_RUNS)
 def test_a_batch_split_otherwise_or_not_divisible_is_left_to_xla(checks, run):
   """A batch over another axis than the table's rows, or one whose size is not a
