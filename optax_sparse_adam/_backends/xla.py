@@ -168,6 +168,8 @@ def scatter_add(
   """
   param_rows = bcoo.as_rows(param, layout)
   values = values.astype(param_rows.dtype)
+  if rows.shape[0] == 0:  # an update with no entries (shapes are static)
+    return param
   if not through_bits or param_rows.dtype != jnp.bfloat16:
     added = param_rows.at[rows].add(
       values, mode="drop", unique_indices=rows_unique, indices_are_sorted=rows_sorted
