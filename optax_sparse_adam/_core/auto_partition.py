@@ -47,18 +47,11 @@ def plan_step(grad: sparse.BCOO, tables: Tables, plan: StepPlan) -> routed.Plan 
   tables are typed on; the routing switches apply (`sharded_routing(False)`
   turns this off; an `auto_axis` routes at trace time instead).
   """
-  if not partitioned.partitioner_decides():
-    return None
-  if grad.n_sparse != 1 or grad.n_batch != 0 or grad.nse == 0:
-    return None
   arrays = [*tables.slots.values(), tables.row_step, tables.last_step, tables.param]
-  found = partitioned.mesh_axis([a for a in arrays if a is not None], [grad.data, grad.indices])
+  found = _split_axis([a for a in arrays if a is not None], grad)
   if found is None:
     return None
-  axis, mesh = found
-  num_shards = mesh.shape[axis]
-  if grad.shape[0] % num_shards or grad.nse % num_shards:
-    return None
+  axis, num_shards = found
   capacity = routing.capacity(grad.nse // num_shards, num_shards, routed.current().capacity_factor)
   if not routing.int32_fits(grad.shape[0], num_shards * num_shards * capacity):
     return None
@@ -67,18 +60,28 @@ def plan_step(grad: sparse.BCOO, tables: Tables, plan: StepPlan) -> routed.Plan 
 
 def plan_apply(param: jax.Array, update: sparse.BCOO) -> routed.Plan | None:
   """A `routed.Plan` (mesh None) for `param + update` under `Auto` axes, or None."""
+  found = _split_axis([param], update)
+  if found is None:
+    return None
+  axis, num_shards = found
+  return routed.Plan(axis, None, num_shards, 0)
+
+
+def _split_axis(tables: list[jax.Array], entries: sparse.BCOO) -> tuple[str, int] | None:
+  """`(axis, devices on it)` when the partitioner will lay out `tables` and `entries`
+  (rows of one sparse dim) on a one-axis `Auto` mesh whose size divides both, else None."""
   if not partitioned.partitioner_decides():
     return None
-  if update.n_sparse != 1 or update.n_batch != 0 or update.nse == 0:
+  if entries.n_sparse != 1 or entries.n_batch != 0 or entries.nse == 0:
     return None
-  found = partitioned.mesh_axis([param], [update.data, update.indices])
+  found = partitioned.mesh_axis(tables, [entries.data, entries.indices])
   if found is None:
     return None
   axis, mesh = found
   num_shards = mesh.shape[axis]
-  if param.shape[0] % num_shards or update.nse % num_shards:
+  if entries.shape[0] % num_shards or entries.nse % num_shards:
     return None
-  return routed.Plan(axis, None, num_shards, 0)
+  return axis, num_shards
 
 
 def masked_step(

@@ -767,15 +767,21 @@ ffi::Error ScatterAddRowsImpl(ffi::Buffer<ffi::F32> param, ffi::Buffer<ffi::S32>
   return ffi::Error::Success();
 }
 
-// The FFI signature of every fused moment step (`MomentStep`'s buffers).
-auto MomentStepBinding() {
+// The inputs every fused moment step starts with (rows, values, m, v, coefficients,
+// rounding keys); the catch-up step adds its own after them.
+auto MomentStepInputs() {
   return ffi::Ffi::Bind()
       .Arg<ffi::Buffer<ffi::S32>>()
       .Arg<ffi::Buffer<ffi::F32>>()
       .Arg<ffi::AnyBuffer>()
       .Arg<ffi::AnyBuffer>()
       .Arg<ffi::Buffer<ffi::F32>>()
-      .Arg<ffi::Buffer<ffi::U32>>()
+      .Arg<ffi::Buffer<ffi::U32>>();
+}
+
+// The FFI signature of every fused moment step (`MomentStep`'s buffers).
+auto MomentStepBinding() {
+  return MomentStepInputs()
       .Attr<int64_t>("num_rows")
       .Attr<bool>("maximize")
       .Attr<bool>("stochastic")
@@ -794,13 +800,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(OsaFusedRowwiseAdamF32, FusedRowwiseAdamImpl,
                               MomentStepBinding());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(OsaFusedAdamCatchUpF32, FusedAdamCatchUpImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::U32>>()
+                              MomentStepInputs()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
