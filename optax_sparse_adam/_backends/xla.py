@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import optax
 
 from optax_sparse_adam._core import bcoo, catch_up, coalesce, rounding
+from optax_sparse_adam._core.adam import rounded
 from optax_sparse_adam._core.rules import RowBlock, RowsStep, StepInputs, StepPlan, Tables
 
 
@@ -65,7 +66,12 @@ def masked_step(
     assert tables.param is not None  # the optax layer checks it
     param_rows = bcoo.gather_rows(bcoo.as_rows(tables.param, layout), rows).astype(compute_dtype)
     if config.weight_decay == "l2":
-      g = g + jnp.asarray(inputs.hyper.weight_decay, compute_dtype) * param_rows
+      # Both terms are rounded where they stand (`rounded`), as the CPU kernels (built
+      # without contraction) and op-by-op steps compute them: under jit XLA would
+      # otherwise fuse the product and the sum into one FMA, and start the sum of
+      # the gradient's entries from the decay instead of adding it last.
+      wd = jnp.asarray(inputs.hyper.weight_decay, compute_dtype)
+      g = rounded(g, inputs.opaque_zero) + rounded(wd * param_rows, inputs.opaque_zero)
 
   step = inputs.step
   row_step = tables.row_step
@@ -121,7 +127,7 @@ def masked_step(
     lr_wd = jnp.asarray(inputs.hyper.learning_rate, compute_dtype) * jnp.asarray(
       inputs.hyper.weight_decay, compute_dtype
     )
-    delta = delta - lr_wd * param_rows
+    delta = delta - rounded(lr_wd * param_rows, inputs.opaque_zero)
   if shift is not None:
     delta = delta + shift
   valid = rows < layout.num_rows

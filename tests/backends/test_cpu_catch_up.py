@@ -5,8 +5,7 @@ Catch-up (`catch_up_idle_rows=True`) runs in the Adam kernel as in
 geometric sums use the C library's `exp`/`expm1`, which may differ from XLA's
 in the last bit: the two paths agree to float32 rounding (a few ulps), not bit
 for bit; rows idle 0 steps (no transcendental differs) and the last-step table
-agree exactly (under jit: XLA fuses AdamW's `delta - lr * wd * p` into one
-multiply-add, as the kernel does; op by op it rounds twice).
+agree exactly (AdamW's `delta - lr * wd * p` rounds its product on both paths).
 """
 
 import jax
@@ -25,7 +24,7 @@ pytestmark = [
   pytest.mark.skipif(not kernels.available(), reason="the CPU kernels were not built"),
 ]
 
-CATCH_UP_KERNEL = "optax_sparse_adam_fused_adam_catch_up_f32"
+CATCH_UP_KERNEL = "optax_sparse_adam_fused_adam_options_f32"
 VOCAB, DIM = 40, 12
 
 
@@ -92,8 +91,17 @@ OPTIONS = {
 MAX_ULPS = {"bf16": 2.0**16, "bf16_stochastic": 2.0**16}
 
 
-@pytest.mark.parametrize("jit", [True, False], ids=["jit", "eager"])
-@pytest.mark.parametrize("name", list(OPTIONS))
+# amsgrad with AdamW (amsgrad's denominator over the window is the running max's), jitted.
+OPTIONS["adamw_amsgrad"] = lambda: osa.sparse_adamw(
+  0.05, weight_decay=0.5, amsgrad=True, catch_up_idle_rows=True
+)
+CASES = [(name, jit) for name in OPTIONS for jit in (True, False)]
+CASES.remove(("adamw_amsgrad", False))
+
+
+@pytest.mark.parametrize(
+  "name,jit", CASES, ids=[f"{name}-{'jit' if jit else 'eager'}" for name, jit in CASES]
+)
 def test_catch_up_kernel_equals_xla_ops_to_float32_rounding(name, jit):
   steps = 23 if jit else 9
   pattern = _pattern(steps)
@@ -137,17 +145,20 @@ def _compiled_text(opt) -> str:
   return step.lower(params, opt.init(params), grads).compile().as_text()
 
 
-def test_the_kernel_runs_catch_up_with_or_without_adamw_but_not_amsgrad():
-  for opt in (osa.sparse_adam(catch_up_idle_rows=True), osa.sparse_adamw(catch_up_idle_rows=True)):
-    text = _compiled_text(opt)
-    assert CATCH_UP_KERNEL in text
+def test_the_kernel_runs_catch_up_with_adamw_and_amsgrad():
   for opt in (
+    osa.sparse_adam(catch_up_idle_rows=True),
+    osa.sparse_adamw(catch_up_idle_rows=True),
     osa.sparse_adam(amsgrad=True, catch_up_idle_rows=True),
-    osa.sparse_adam(weight_decay=0.1),
-    osa.sparse_adamw(),  # lazy AdamW: XLA's rounding of it depends on fusion (kernels.py)
-    osa.sparse_adam(),
+    osa.sparse_adamw(amsgrad=True, catch_up_idle_rows=True),
   ):
-    assert CATCH_UP_KERNEL not in _compiled_text(opt)
+    text = _compiled_text(opt)
+    assert CATCH_UP_KERNEL in text and "catch_up = true" in text
+  # Lazy steps with options run the same kernel without catch-up; the default its own.
+  for opt in (osa.sparse_adam(weight_decay=0.1), osa.sparse_adamw()):
+    text = _compiled_text(opt)
+    assert CATCH_UP_KERNEL in text and "catch_up = false" in text
+  assert CATCH_UP_KERNEL not in _compiled_text(osa.sparse_adam())
   with kernels.use_cpu_kernels(False):
     assert CATCH_UP_KERNEL not in _compiled_text(osa.sparse_adam(catch_up_idle_rows=True))
 

@@ -168,6 +168,7 @@ def _compiled_text(opt, *, shape=(50, 8), dtype=jnp.float32, cpu_kernels=True):
 
 
 ADAM_KERNEL = "optax_sparse_adam_fused_adam_f32"
+ADAM_OPTIONS_KERNEL = "optax_sparse_adam_fused_adam_options_f32"
 ADD_KERNEL = "optax_sparse_adam_scatter_add_rows_f32"
 
 
@@ -178,14 +179,15 @@ def test_kernels_appear_in_the_cpu_step_only_where_they_apply():
   # Switched off: the XLA ops only.
   off = _compiled_text(osa.sparse_adam(1e-3), cpu_kernels=False)
   assert ADAM_KERNEL not in off and ADD_KERNEL not in off
-  # Options the kernel does not compute keep the XLA ops for the moments.
+  # The pipeline's options run in the Adam kernel with options (test_cpu_kernel_options.py).
   for opt in (
     osa.sparse_adam(1e-3, amsgrad=True),
     osa.sparse_adam(1e-3, weight_decay=0.1),
     osa.sparse_adamw(1e-3),
     osa.sparse_adam(1e-3, per_row_bias_correction=True),
   ):
-    assert ADAM_KERNEL not in _compiled_text(opt)
+    text = _compiled_text(opt)
+    assert ADAM_KERNEL not in text and ADAM_OPTIONS_KERNEL in text
   # bf16 moments are stored in place by the kernel, rounded either way.
   for rounding in ("nearest", "stochastic"):
     opt = osa.sparse_adam(1e-3, mu_dtype=jnp.bfloat16, moment_rounding=rounding)
@@ -193,6 +195,8 @@ def test_kernels_appear_in_the_cpu_step_only_where_they_apply():
   # Other dtypes: neither kernel.
   bf16 = _compiled_text(osa.sparse_adam(1e-3), dtype=jnp.bfloat16)
   assert ADAM_KERNEL not in bf16 and ADD_KERNEL not in bf16
+  bf16 = _compiled_text(osa.sparse_adamw(1e-3), dtype=jnp.bfloat16)
+  assert ADAM_OPTIONS_KERNEL not in bf16
 
 
 @needs_kernels

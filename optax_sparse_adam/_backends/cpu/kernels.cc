@@ -22,6 +22,7 @@
 #include <string>
 #include <thread>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
@@ -224,14 +225,18 @@ inline float StoreMoment(uint16_t* dst, float x, uint32_t row_key, int64_t j) {
 inline float RoundedAs(float x, const float*) { return x; }
 inline float RoundedAs(float x, const uint16_t*) { return ToFloat(Bf16Bits<false>(x, 0, 0)); }
 
-// What the pipeline does around the rule for one row (`xla.masked_step`): the
-// catch-up of its idle steps (`catch_up.idle_rows`: the moments' decay
+// Weight decay, as `StepConfig.weight_decay`: none, L2 (`g += wd * p`, before
+// the rule) or decoupled (`delta -= lr * wd * p`, after it).
+enum Decay : int { kNoDecay = 0, kL2 = 1, kDecoupled = 2 };
+
+// What the pipeline does around the rule for one row (`xla.masked_step`): weight
+// decay (`decay`: wd for L2, lr * wd decoupled; the row of the parameter `p`),
+// the catch-up of its idle steps (`catch_up.idle_rows`: the moments' decay
 // `pow_b1`, `pow_b2`, the discharge's `by_b1` and `by_r`, AdamW's
-// `decay_minus_one` = d^k - 1) and decoupled weight decay (`lr_wd`, the row
-// of the parameter `p`).
+// `decay_minus_one` = d^k - 1).
 struct RowExtras {
   const float* p = nullptr;
-  float lr_wd = 0.0f;
+  float decay = 0.0f;
   bool guard_eps = false;  // 1 / (sqrt(v) + eps) is 0 where that sum is not > 0
   float pow_b1 = 1.0f;
   float pow_b2 = 1.0f;
@@ -240,26 +245,43 @@ struct RowExtras {
   float decay_minus_one = 0.0f;
 };
 
+// `max(old, new)` as XLA:CPU's max computes it, NaNs included (the old value
+// where it is NaN, the quiet NaN where only the new one is, else the larger,
+// the old one if equal), stored in `*dst`'s format; returns the stored value.
+template <typename T>
+inline float StoreMax(T* dst, float old_value, float new_value) {
+  const float quiet_nan = WithBits(0x7FC00000u);
+  const float larger = old_value != old_value   ? old_value
+                       : new_value != new_value ? quiet_nan
+                       : old_value >= new_value ? old_value
+                                                : new_value;
+  return StoreMoment<false>(dst, larger, 0u, 0);
+}
+
 // The moment and parameter arithmetic of one row, in AdamRule.update's order;
 // the delta is computed from the moments as stored. With `kCatchUp` the row's
-// idle steps are caught up first and with `kDecoupled` its decoupled weight
-// decay is added, both in `xla.masked_step`'s order (`x`).
-template <typename MuT, typename NuT, bool kStochastic, bool kDecoupled = false,
-          bool kCatchUp = false>
+// idle steps are caught up first, with `kDecay` its weight decay is applied
+// and with `kAmsgrad` the running max `vmax` (stored like v) divides, all in
+// `xla.masked_step`'s order (`x`). Every product is rounded before it is added,
+// as the XLA path rounds the weight decay's products (`adam.rounded`).
+template <typename MuT, typename NuT, bool kStochastic, int kDecay = kNoDecay,
+          bool kCatchUp = false, bool kAmsgrad = false>
 OSA_MULTIVERSIONED_TEMPLATE void AdamRow(
     float* __restrict__ g, MuT* __restrict__ m, NuT* __restrict__ v, int64_t row_size,
     bool maximize, float one_minus_b1, float one_minus_b2, float eps, float neg_step_size,
-    uint32_t m_key, uint32_t v_key, const RowExtras* extras = nullptr) {
+    uint32_t m_key, uint32_t v_key, const RowExtras* extras = nullptr,
+    NuT* __restrict__ vmax = nullptr) {
   // GCC unswitches the loop on `maximize`, and then gives up vectorizing the
   // larger bf16 and catch-up loops: there maximize flips a sign bit instead (a
   // negation, as in XLA: NaNs flip sign too), with no switch left in the loop.
   // The square is of the gradient as given (XLA folds (-g) * (-g) to g * g,
-  // which differs for NaN; GCC folds the float32 loop's alike).
-  constexpr bool kBranchFree =
-      kCatchUp || !std::is_same_v<MuT, float> || !std::is_same_v<NuT, float>;
+  // which differs for NaN; GCC folds the float32 loop's alike); with L2 it is
+  // of the decayed gradient, which neither can fold.
+  constexpr bool kBranchFree = kCatchUp || kDecay != kNoDecay || kAmsgrad ||
+                               !std::is_same_v<MuT, float> || !std::is_same_v<NuT, float>;
   const uint32_t sign_flip = maximize ? 0x80000000u : 0u;
   RowExtras x;
-  if constexpr (kDecoupled || kCatchUp) x = *extras;
+  if constexpr (kDecay != kNoDecay || kCatchUp) x = *extras;
   const float* __restrict__ p = x.p;
   const uint32_t unguarded = x.guard_eps ? 0u : 0xFFFFFFFFu;
   for (int64_t j = 0; j < row_size; ++j) {
@@ -274,30 +296,37 @@ OSA_MULTIVERSIONED_TEMPLATE void AdamRow(
     float vj = ToFloat(v[j]);
     float pj = 0.0f;
     float shift = 0.0f;
-    if constexpr (kDecoupled) pj = p[j];
+    if constexpr (kDecay != kNoDecay) pj = p[j];
+    if constexpr (kDecay == kL2) gj = gj + x.decay * pj;
     if constexpr (kCatchUp) {
-      const float root = std::sqrt(vj);
+      // With amsgrad the denominator over the window is the running max's (w = 0).
+      const float root = std::sqrt(kAmsgrad ? ToFloat(vmax[j]) : vj);
       const float denom = root + eps;
       // 1 / denom, or 0 where denom is not > 0 if guarded.
       const uint32_t keep = denom > 0.0f ? 0xFFFFFFFFu : unguarded;
       const float inverse = WithBits(Bits(1.0f / denom) & keep);
       const float ratio = mj * inverse;
-      const float w = root * inverse;
-      shift = -ratio * (x.by_b1 + w * (x.by_r - x.by_b1));
+      if constexpr (kAmsgrad) {
+        shift = -ratio * x.by_b1;
+      } else {
+        const float w = root * inverse;
+        shift = -ratio * (x.by_b1 + w * (x.by_r - x.by_b1));
+      }
       mj = RoundedAs(mj * x.pow_b1, m);
       vj = RoundedAs(vj * x.pow_b2, v);
-      if constexpr (kDecoupled) {
+      if constexpr (kDecay == kDecoupled) {
         shift = shift + x.decay_minus_one * pj;
         pj = pj + shift;
       }
     }
     const float m_new = StoreMoment<kStochastic>(&m[j], mj + (gj - mj) * one_minus_b1, m_key, j);
-    const float g_squared = kBranchFree ? g_given * g_given : gj * gj;
+    const float g_squared = (kBranchFree && kDecay != kL2) ? g_given * g_given : gj * gj;
     const float v_new =
         StoreMoment<kStochastic>(&v[j], vj + (g_squared - vj) * one_minus_b2, v_key, j);
-    float delta = neg_step_size * (m_new / (std::sqrt(v_new) + eps));
-    // XLA:CPU contracts this one product and difference into a fused multiply-add.
-    if constexpr (kDecoupled) delta = std::fma(-x.lr_wd, pj, delta);
+    float second = v_new;
+    if constexpr (kAmsgrad) second = StoreMax(&vmax[j], ToFloat(vmax[j]), v_new);
+    float delta = neg_step_size * (m_new / (std::sqrt(second) + eps));
+    if constexpr (kDecay == kDecoupled) delta = delta - x.decay * pj;
     if constexpr (kCatchUp) delta = delta + shift;
     g[j] = delta;
   }
@@ -345,7 +374,8 @@ void CopyIfNotAliased(const ffi::AnyBuffer& in, ffi::Result<ffi::AnyBuffer>& out
   }
 }
 
-// Coalesces a gradient's rows and runs `update(row, g)` on each distinct row.
+// Coalesces a gradient's rows and runs `update(row, entry, g)` on each distinct
+// row (`entry`: the position of the row's first gradient entry).
 //
 // `g` is the row's summed gradient, written into the delta output (the update
 // turns it into the row's delta). Distinct rows are disjoint, so chunks of them
@@ -381,7 +411,7 @@ void CoalescedRowsStep(const int32_t* rows, int64_t nse, const float* values, in
       for (int64_t e = starts[s]; e < starts[s + 1]; ++e) {
         AddRow(g, values + static_cast<int64_t>(position[e]) * row_size, row_size);
       }
-      update(row, g);
+      update(row, static_cast<int64_t>(position[starts[s]]), g);
     }
   };
   ParallelFor(pool, num_chunks, num_unique * row_size, run_chunk);
@@ -423,7 +453,7 @@ struct NoPrefetch {
 };
 
 // Checks a step's buffers, starts undonated outputs from the inputs, and runs
-// `update(rounding, row, m, v, g, row_size, m_key, v_key)` on each distinct row
+// `update(rounding, row, entry, m, v, g, row_size, m_key, v_key)` on each distinct row
 // with typed pointers to its moments (`rounding::value`: stochastic rounding).
 // `kNuPerRow`: nu holds one value per row instead of a row. `prefetch(row)`
 // prefetches the row in the rule's other tables, if any.
@@ -462,8 +492,8 @@ ffi::Error RunMomentStep(MomentStep& step, Update update, Prefetch prefetch = Pr
           PrefetchRow(v + row * nu_row_size, nu_row_size);
           prefetch(row);
         },
-        [&](int64_t row, float* g) {
-          update(rounding, row, m + row * row_size, v + row * nu_row_size, g, row_size,
+        [&](int64_t row, int64_t entry, float* g) {
+          update(rounding, row, entry, m + row * row_size, v + row * nu_row_size, g, row_size,
                  kStochastic ? RowKey(mu_key, row + row_offset) : 0u,
                  kStochastic ? RowKey(nu_key, row + row_offset) : 0u);
         });
@@ -484,7 +514,7 @@ ffi::Error FusedAdamImpl(ffi::Buffer<ffi::S32> rows, ffi::Buffer<ffi::F32> value
   const float* c = coeffs.typed_data();
   const float neg_step_size = -c[3];
   return RunMomentStep<4, false>(
-      step, [&](auto rounding, int64_t, auto* m, auto* v, float* g, int64_t row_size,
+      step, [&](auto rounding, int64_t, int64_t, auto* m, auto* v, float* g, int64_t row_size,
                 uint32_t m_key, uint32_t v_key) {
         using MuT = std::remove_pointer_t<decltype(m)>;
         using NuT = std::remove_pointer_t<decltype(v)>;
@@ -576,29 +606,114 @@ const CatchUpRow& CachedCatchUpRow(const CatchUpConstants& c, int32_t last, uint
   return entry;
 }
 
+// The buffers of the pipeline's options around a rule (`xla.masked_step`), read
+// or updated in place by a fused step with options: param f32 (the parameter in
+// its own shape, read; empty without weight decay), nu_max (amsgrad's running
+// max, stored and shaped like nu, updated in place; empty without amsgrad),
+// row_step s32 (num_rows,) (each row's step count, incremented in place,
+// saturating; empty without per-row steps) and entry_scales f32 (nse, width)
+// (each gradient entry's row's step-size factors for its new step count, as
+// XLA computes them; empty without per-row steps).
+struct OptionBuffers {
+  const float* p = nullptr;
+  void* nu_max = nullptr;
+  int32_t* row_step = nullptr;
+  const float* entry_scales = nullptr;
+};
+
+// Checks the option buffers of a step of `nse` entries, starts undonated
+// outputs from the inputs, and points `out` at them.
+ffi::Error PrepareOptions(const ffi::AnyBuffer& nu, int64_t num_rows, int64_t nse,
+                          int64_t scales_width, bool decay, bool amsgrad, bool per_row,
+                          const ffi::Buffer<ffi::F32>& param, const ffi::AnyBuffer& nu_max,
+                          const ffi::Buffer<ffi::S32>& row_step,
+                          const ffi::Buffer<ffi::F32>& entry_scales, size_t param_count,
+                          ffi::Result<ffi::AnyBuffer>& nu_max_out,
+                          ffi::ResultBuffer<ffi::S32>& row_step_out, OptionBuffers& out) {
+  if (decay && param.element_count() != param_count) {
+    return ffi::Error::InvalidArgument("param must have mu's size with weight decay");
+  }
+  if (amsgrad && (nu_max.element_type() != nu.element_type() ||
+                  nu_max.element_count() != nu.element_count())) {
+    return ffi::Error::InvalidArgument("nu_max must have nu's dtype and size with amsgrad");
+  }
+  if (per_row && (static_cast<int64_t>(row_step.element_count()) != num_rows ||
+                  static_cast<int64_t>(entry_scales.element_count()) != nse * scales_width)) {
+    return ffi::Error::InvalidArgument(
+        "row_step must hold one step per row and entry_scales one set per entry");
+  }
+  if (amsgrad) CopyIfNotAliased(nu_max, nu_max_out);
+  int32_t* steps = row_step_out->typed_data();
+  if (steps != row_step.typed_data() && row_step.element_count() > 0) {
+    std::memcpy(steps, row_step.typed_data(), row_step.size_bytes());
+  }
+  out.p = decay ? param.typed_data() : nullptr;
+  out.nu_max = amsgrad ? nu_max_out->untyped_data() : nullptr;
+  out.row_step = per_row ? steps : nullptr;
+  out.entry_scales = per_row ? entry_scales.typed_data() : nullptr;
+  return ffi::Error::Success();
+}
+
+// A row's step count after its step (`optax.safe_increment`: saturating).
+inline void IncrementStep(int32_t* step) {
+  if (*step < INT32_MAX) ++*step;
+}
+
+// Runs `body(decay, catch_up, amsgrad)` with the three as compile-time values
+// (`decltype(x)::value`); `catch_up` with L2 weight decay is not offered.
+template <typename Body>
+void WithOptions(int decay, bool catch_up, bool amsgrad, Body body) {
+  using kNo = std::integral_constant<int, kNoDecay>;
+  using kL2c = std::integral_constant<int, kL2>;
+  using kDec = std::integral_constant<int, kDecoupled>;
+  const auto with_amsgrad = [&](auto d, auto c) {
+    if (amsgrad) return body(d, c, std::true_type{});
+    return body(d, c, std::false_type{});
+  };
+  if (catch_up) {
+    if (decay == kDecoupled) return with_amsgrad(kDec{}, std::true_type{});
+    return with_amsgrad(kNo{}, std::true_type{});
+  }
+  if (decay == kL2) return with_amsgrad(kL2c{}, std::false_type{});
+  if (decay == kDecoupled) return with_amsgrad(kDec{}, std::false_type{});
+  return with_amsgrad(kNo{}, std::false_type{});
+}
+
 // The Adam step with what the pipeline adds around the rule, in the kernel:
-// catch-up of idle rows and/or decoupled weight decay. Buffers as the Adam
-// step's, then param f32 (the parameter in its own shape, read; empty without
-// weight decay), last_step s32 (num_rows,) (each row's last step, updated in
-// place; empty without catch-up), step s32 (1,) (this step's count); coeffs f32
-// (20,) = (1 - b1, 1 - b2, eps, step_size, lr * wd, log b1, log b2, log d, lr,
-// the given step size, then `CatchUpBase` of b1 and of r).
-ffi::Error FusedAdamCatchUpImpl(
+// weight decay (L2 or decoupled), amsgrad, per-row step counts, catch-up of
+// idle rows. Buffers as the Adam step's, then the option buffers
+// (`OptionBuffers`; entry_scales (nse,): each entry's row's step size),
+// last_step s32 (num_rows,) (each row's last step, updated in place; empty
+// without catch-up) and step s32 (1,) (this step's count); coeffs f32 (20,) = (1 - b1,
+// 1 - b2, eps, step_size, wd (L2) or lr * wd (decoupled), log b1, log b2,
+// log d, lr, the given step size, then `CatchUpBase` of b1 and of r).
+ffi::Error FusedAdamOptionsImpl(
     ffi::Buffer<ffi::S32> rows, ffi::Buffer<ffi::F32> values, ffi::AnyBuffer mu,
     ffi::AnyBuffer nu, ffi::Buffer<ffi::F32> coeffs, ffi::Buffer<ffi::U32> keys,
-    ffi::Buffer<ffi::F32> param, ffi::Buffer<ffi::S32> last_step, ffi::Buffer<ffi::S32> step_count,
-    int64_t num_rows, bool maximize, bool stochastic, bool decoupled, bool catch_up,
-    bool guard_eps, bool given_step_size, ffi::ThreadPool pool,
-    ffi::ResultBuffer<ffi::S32> distinct_rows, ffi::ResultBuffer<ffi::F32> delta,
-    ffi::Result<ffi::AnyBuffer> mu_out, ffi::Result<ffi::AnyBuffer> nu_out,
-    ffi::ResultBuffer<ffi::S32> last_step_out) {
-  if (decoupled && param.element_count() != mu.element_count()) {
-    return ffi::Error::InvalidArgument("param must have mu's size with weight decay");
+    ffi::Buffer<ffi::F32> param, ffi::AnyBuffer nu_max, ffi::Buffer<ffi::S32> row_step,
+    ffi::Buffer<ffi::F32> entry_scales, ffi::Buffer<ffi::S32> last_step,
+    ffi::Buffer<ffi::S32> step_count, int64_t num_rows, bool maximize, bool stochastic,
+    bool decoupled, bool catch_up, bool guard_eps, bool given_step_size, bool l2, bool amsgrad,
+    bool per_row, ffi::ThreadPool pool, ffi::ResultBuffer<ffi::S32> distinct_rows,
+    ffi::ResultBuffer<ffi::F32> delta, ffi::Result<ffi::AnyBuffer> mu_out,
+    ffi::Result<ffi::AnyBuffer> nu_out, ffi::Result<ffi::AnyBuffer> nu_max_out,
+    ffi::ResultBuffer<ffi::S32> row_step_out, ffi::ResultBuffer<ffi::S32> last_step_out) {
+  const int decay = decoupled ? kDecoupled : (l2 ? kL2 : kNoDecay);
+  if (catch_up && (l2 || per_row)) {
+    return ffi::Error::InvalidArgument("catch-up takes no L2 weight decay or per-row steps");
   }
   if (catch_up && static_cast<int64_t>(last_step.element_count()) != num_rows) {
     return ffi::Error::InvalidArgument("last_step must hold one step per row with catch-up");
   }
   if (step_count.element_count() != 1) return ffi::Error::InvalidArgument("step must be (1,)");
+  OptionBuffers o;
+  const int64_t nse = static_cast<int64_t>(rows.element_count());
+  if (auto error = PrepareOptions(nu, num_rows, nse, 1, decay != kNoDecay, amsgrad, per_row, param,
+                                  nu_max, row_step, entry_scales, mu.element_count(), nu_max_out,
+                                  row_step_out, o);
+      error.failure()) {
+    return error;
+  }
   int32_t* last = last_step_out->typed_data();
   if (last != last_step.typed_data() && last_step.element_count() > 0) {
     std::memcpy(last, last_step.typed_data(), last_step.size_bytes());
@@ -611,41 +726,51 @@ ffi::Error FusedAdamCatchUpImpl(
   const CatchUpConstants constants{step_count.typed_data()[0], c[5], c[6], c[7], c[8], c[9],
                                    given_step_size, decoupled, base(10), base(15)};
   const uint64_t call = catch_up_calls.fetch_add(1) + 1;
-  const float* p = param.typed_data();
   const int64_t table_row_size =
       num_rows > 0 ? static_cast<int64_t>(mu.element_count()) / num_rows : 0;
   return RunMomentStep<20, false>(
       step,
-      [&](auto rounding, int64_t row, auto* m, auto* v, float* g, int64_t row_size,
-          uint32_t m_key, uint32_t v_key) {
+      [&](auto rounding, int64_t row, int64_t entry, auto* m, auto* v, float* g,
+          int64_t row_size, uint32_t m_key, uint32_t v_key) {
         using MuT = std::remove_pointer_t<decltype(m)>;
         using NuT = std::remove_pointer_t<decltype(v)>;
         constexpr bool kStochastic = decltype(rounding)::value;
         RowExtras x;
-        x.lr_wd = c[4];
+        x.decay = c[4];
         x.guard_eps = guard_eps;
-        if (decoupled) x.p = p + row * row_size;
-        const auto run = [&](auto decay, auto caught) {
-          AdamRow<MuT, NuT, kStochastic, decltype(decay)::value, decltype(caught)::value>(
-              g, m, v, row_size, maximize, c[0], c[1], c[2], neg_step_size, m_key, v_key, &x);
-        };
-        if (!catch_up) {
-          if (decoupled) return run(std::true_type{}, std::false_type{});
-          return run(std::false_type{}, std::false_type{});
+        if (o.p != nullptr) x.p = o.p + row * row_size;
+        NuT* vmax = o.nu_max == nullptr ? nullptr : static_cast<NuT*>(o.nu_max) + row * row_size;
+        float row_neg_step_size = neg_step_size;
+        if (o.row_step != nullptr) {
+          row_neg_step_size = -o.entry_scales[entry];
+          IncrementStep(o.row_step + row);
         }
-        const CatchUpRow& scalars = CachedCatchUpRow(constants, last[row], call);
-        x.pow_b1 = scalars.pow_b1;
-        x.pow_b2 = scalars.pow_b2;
-        x.by_b1 = scalars.by_b1;
-        x.by_r = scalars.by_r;
-        x.decay_minus_one = scalars.decay_minus_one;
-        last[row] = std::max(last[row], constants.step);
-        if (decoupled) return run(std::true_type{}, std::true_type{});
-        return run(std::false_type{}, std::true_type{});
+        if (catch_up) {
+          const CatchUpRow& scalars = CachedCatchUpRow(constants, last[row], call);
+          x.pow_b1 = scalars.pow_b1;
+          x.pow_b2 = scalars.pow_b2;
+          x.by_b1 = scalars.by_b1;
+          x.by_r = scalars.by_r;
+          x.decay_minus_one = scalars.decay_minus_one;
+          last[row] = std::max(last[row], constants.step);
+        }
+        WithOptions(decay, catch_up, vmax != nullptr, [&](auto d, auto caught, auto ams) {
+          AdamRow<MuT, NuT, kStochastic, decltype(d)::value, decltype(caught)::value,
+                  decltype(ams)::value>(g, m, v, row_size, maximize, c[0], c[1], c[2],
+                                        row_neg_step_size, m_key, v_key, &x, vmax);
+        });
       },
       [&](int64_t row) {
-        if (decoupled) PrefetchRow(p + row * table_row_size, table_row_size);
+        if (o.p != nullptr) PrefetchRow(o.p + row * table_row_size, table_row_size);
+        if (o.nu_max != nullptr) {
+          const auto* base_ptr = static_cast<const char*>(o.nu_max);
+          const int64_t width = nu.element_type() == ffi::DataType::F32 ? 4 : 2;
+          for (int64_t j = 0; j < table_row_size * width; j += kBytesPerLine) {
+            PrefetchLine(base_ptr + row * table_row_size * width + j);
+          }
+        }
         if (catch_up) PrefetchLine(last + row);
+        if (o.row_step != nullptr) PrefetchLine(o.row_step + row);
       });
 }
 
@@ -665,16 +790,19 @@ float PairwiseSum(float* scratch, int64_t row_size) {
 }
 
 // The row-wise Adam arithmetic of one row, in RowwiseAdamRule.update's order:
-// `v` is the row's one second-moment value; the delta is computed from the
-// moments as stored.
-template <typename MuT, typename NuT, bool kStochastic>
+// `v` is the row's one second-moment value (and `vmax`, if given, its running
+// max); the delta is computed from the moments as stored. `kDecay` and `p`,
+// `decay` as in `AdamRow`.
+template <typename MuT, typename NuT, bool kStochastic, int kDecay = kNoDecay>
 OSA_MULTIVERSIONED_TEMPLATE void RowwiseAdamRow(
     float* __restrict__ g, MuT* __restrict__ m, NuT* __restrict__ v,
     float* __restrict__ scratch, int64_t row_size, bool maximize, float one_minus_b1,
     float one_minus_b2, float eps, float lr_over_bc1, float inv_bc2, float inv_row_size,
-    uint32_t m_key, uint32_t v_key) {
+    uint32_t m_key, uint32_t v_key, const float* __restrict__ p = nullptr, float decay = 0.0f,
+    NuT* __restrict__ vmax = nullptr) {
   for (int64_t j = 0; j < row_size; ++j) {
-    const float gj = maximize ? -g[j] : g[j];  // a negation, as in XLA: NaNs flip sign too
+    float gj = maximize ? -g[j] : g[j];  // a negation, as in XLA: NaNs flip sign too
+    if constexpr (kDecay == kL2) gj = gj + decay * p[j];
     g[j] = gj;
     scratch[j] = gj * gj;
   }
@@ -682,37 +810,78 @@ OSA_MULTIVERSIONED_TEMPLATE void RowwiseAdamRow(
   const float v_old = ToFloat(*v);
   const float v_new =
       StoreMoment<kStochastic>(v, v_old + (mean_square - v_old) * one_minus_b2, v_key, 0);
-  const float neg_rate = (-lr_over_bc1) / (std::sqrt(v_new * inv_bc2) + eps);
+  const float second = vmax == nullptr ? v_new : StoreMax(vmax, ToFloat(*vmax), v_new);
+  const float neg_rate = (-lr_over_bc1) / (std::sqrt(second * inv_bc2) + eps);
   for (int64_t j = 0; j < row_size; ++j) {
     const float mj = ToFloat(m[j]);
     const float m_new = StoreMoment<kStochastic>(&m[j], mj + (g[j] - mj) * one_minus_b1, m_key, j);
-    g[j] = neg_rate * m_new;
+    // Where both are NaN, XLA's product keeps the moment's (GCC would pick either).
+    float delta = m_new != m_new ? m_new : neg_rate * m_new;
+    if constexpr (kDecay == kDecoupled) delta = delta - decay * p[j];
+    g[j] = delta;
   }
 }
 
-// The row-wise Adam step: nu holds one value per row ((num_rows,)), and coeffs
-// f32 (6,) = (1 - b1, 1 - b2, eps, lr / (1 - b1^t), 1 / (1 - b2^t), 1 / row_size).
-ffi::Error FusedRowwiseAdamImpl(ffi::Buffer<ffi::S32> rows, ffi::Buffer<ffi::F32> values,
-                                ffi::AnyBuffer mu, ffi::AnyBuffer nu,
-                                ffi::Buffer<ffi::F32> coeffs, ffi::Buffer<ffi::U32> keys,
-                                int64_t num_rows, bool maximize, bool stochastic,
-                                ffi::ThreadPool pool, ffi::ResultBuffer<ffi::S32> distinct_rows,
-                                ffi::ResultBuffer<ffi::F32> delta,
-                                ffi::Result<ffi::AnyBuffer> mu_out,
-                                ffi::Result<ffi::AnyBuffer> nu_out) {
+// The row-wise Adam step: nu holds one value per row ((num_rows,)), coeffs f32
+// (7,) = (1 - b1, 1 - b2, eps, lr / (1 - b1^t), 1 / (1 - b2^t), 1 / row_size,
+// wd (L2) or lr * wd (decoupled)), then the option buffers (`OptionBuffers`;
+// entry_scales (nse, 2): each entry's row's lr / (1 - b1^t), 1 / (1 - b2^t)).
+ffi::Error FusedRowwiseAdamImpl(
+    ffi::Buffer<ffi::S32> rows, ffi::Buffer<ffi::F32> values, ffi::AnyBuffer mu,
+    ffi::AnyBuffer nu, ffi::Buffer<ffi::F32> coeffs, ffi::Buffer<ffi::U32> keys,
+    ffi::Buffer<ffi::F32> param, ffi::AnyBuffer nu_max, ffi::Buffer<ffi::S32> row_step,
+    ffi::Buffer<ffi::F32> entry_scales, int64_t num_rows, bool maximize, bool stochastic,
+    int64_t decay, bool amsgrad, bool per_row, ffi::ThreadPool pool,
+    ffi::ResultBuffer<ffi::S32> distinct_rows, ffi::ResultBuffer<ffi::F32> delta,
+    ffi::Result<ffi::AnyBuffer> mu_out, ffi::Result<ffi::AnyBuffer> nu_out,
+    ffi::Result<ffi::AnyBuffer> nu_max_out, ffi::ResultBuffer<ffi::S32> row_step_out) {
+  if (decay < kNoDecay || decay > kDecoupled) {
+    return ffi::Error::InvalidArgument("decay must be 0 (none), 1 (L2) or 2 (decoupled)");
+  }
+  OptionBuffers o;
+  const int64_t nse = static_cast<int64_t>(rows.element_count());
+  if (auto error = PrepareOptions(nu, num_rows, nse, 2, decay != kNoDecay, amsgrad, per_row, param,
+                                  nu_max, row_step, entry_scales, mu.element_count(), nu_max_out,
+                                  row_step_out, o);
+      error.failure()) {
+    return error;
+  }
   MomentStep step{rows,       values, mu,   nu,            coeffs, keys,   num_rows,
                   stochastic, pool,   distinct_rows, delta, mu_out, nu_out};
   const float* c = coeffs.typed_data();
-  return RunMomentStep<6, true>(
-      step, [&](auto rounding, int64_t, auto* m, auto* v, float* g, int64_t row_size,
-                uint32_t m_key, uint32_t v_key) {
+  const int64_t table_row_size =
+      num_rows > 0 ? static_cast<int64_t>(mu.element_count()) / num_rows : 0;
+  const int64_t nu_width = nu.element_type() == ffi::DataType::F32 ? 4 : 2;
+  return RunMomentStep<7, true>(
+      step,
+      [&](auto rounding, int64_t row, int64_t entry, auto* m, auto* v, float* g,
+          int64_t row_size, uint32_t m_key, uint32_t v_key) {
         using MuT = std::remove_pointer_t<decltype(m)>;
         using NuT = std::remove_pointer_t<decltype(v)>;
+        constexpr bool kStochastic = decltype(rounding)::value;
         thread_local std::vector<float> scratch;
         if (static_cast<int64_t>(scratch.size()) < row_size) scratch.resize(row_size);
-        RowwiseAdamRow<MuT, NuT, decltype(rounding)::value>(
-            g, m, v, scratch.data(), row_size, maximize, c[0], c[1], c[2], c[3], c[4], c[5], m_key,
-            v_key);
+        float lr_over_bc1 = c[3], inv_bc2 = c[4];
+        if (o.row_step != nullptr) {
+          lr_over_bc1 = o.entry_scales[2 * entry];
+          inv_bc2 = o.entry_scales[2 * entry + 1];
+          IncrementStep(o.row_step + row);
+        }
+        const float* p = o.p == nullptr ? nullptr : o.p + row * row_size;
+        NuT* vmax = o.nu_max == nullptr ? nullptr : static_cast<NuT*>(o.nu_max) + row;
+        const auto run = [&](auto d) {
+          RowwiseAdamRow<MuT, NuT, kStochastic, decltype(d)::value>(
+              g, m, v, scratch.data(), row_size, maximize, c[0], c[1], c[2], lr_over_bc1, inv_bc2,
+              c[5], m_key, v_key, p, c[6], vmax);
+        };
+        if (decay == kL2) return run(std::integral_constant<int, kL2>{});
+        if (decay == kDecoupled) return run(std::integral_constant<int, kDecoupled>{});
+        return run(std::integral_constant<int, kNoDecay>{});
+      },
+      [&](int64_t row) {
+        if (o.p != nullptr) PrefetchRow(o.p + row * table_row_size, table_row_size);
+        if (o.nu_max != nullptr) PrefetchLine(static_cast<const char*>(o.nu_max) + row * nu_width);
+        if (o.row_step != nullptr) PrefetchLine(o.row_step + row);
       });
 }
 
@@ -768,7 +937,7 @@ ffi::Error ScatterAddRowsImpl(ffi::Buffer<ffi::F32> param, ffi::Buffer<ffi::S32>
 }
 
 // The inputs every fused moment step starts with (rows, values, m, v, coefficients,
-// rounding keys); the catch-up step adds its own after them.
+// rounding keys).
 auto MomentStepInputs() {
   return ffi::Ffi::Bind()
       .Arg<ffi::Buffer<ffi::S32>>()
@@ -779,43 +948,66 @@ auto MomentStepInputs() {
       .Arg<ffi::Buffer<ffi::U32>>();
 }
 
-// The FFI signature of every fused moment step (`MomentStep`'s buffers).
-auto MomentStepBinding() {
+// A step's inputs with the option buffers (`OptionBuffers`) after them.
+auto OptionStepInputs() {
   return MomentStepInputs()
-      .Attr<int64_t>("num_rows")
-      .Attr<bool>("maximize")
-      .Attr<bool>("stochastic")
-      .Ctx<ffi::ThreadPool>()
-      .Ret<ffi::Buffer<ffi::S32>>()
-      .Ret<ffi::Buffer<ffi::F32>>()
-      .Ret<ffi::AnyBuffer>()
-      .Ret<ffi::AnyBuffer>();
+      .Arg<ffi::Buffer<ffi::F32>>()
+      .Arg<ffi::AnyBuffer>()
+      .Arg<ffi::Buffer<ffi::S32>>()
+      .Arg<ffi::Buffer<ffi::F32>>();
+}
+
+// The attributes every fused moment step starts with, after its inputs.
+template <typename Binding>
+auto MomentStepAttrs(Binding&& binding) {
+  return std::move(binding)
+      .template Attr<int64_t>("num_rows")
+      .template Attr<bool>("maximize")
+      .template Attr<bool>("stochastic");
+}
+
+// The thread pool and the outputs of a fused moment step (`MomentStep`'s).
+template <typename Binding>
+auto MomentStepOutputs(Binding&& binding) {
+  return std::move(binding)
+      .template Ctx<ffi::ThreadPool>()
+      .template Ret<ffi::Buffer<ffi::S32>>()
+      .template Ret<ffi::Buffer<ffi::F32>>()
+      .template Ret<ffi::AnyBuffer>()
+      .template Ret<ffi::AnyBuffer>();
+}
+
+// A step's outputs, then the option buffers it updates (nu_max, row_step).
+template <typename Binding>
+auto OptionStepOutputs(Binding&& binding) {
+  return MomentStepOutputs(std::move(binding))
+      .template Ret<ffi::AnyBuffer>()
+      .template Ret<ffi::Buffer<ffi::S32>>();
 }
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(OsaFusedAdamF32, FusedAdamImpl, MomentStepBinding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(OsaFusedAdamF32, FusedAdamImpl,
+                              MomentStepOutputs(MomentStepAttrs(MomentStepInputs())));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(OsaFusedRowwiseAdamF32, FusedRowwiseAdamImpl,
-                              MomentStepBinding());
+                              OptionStepOutputs(MomentStepAttrs(OptionStepInputs())
+                                                          .Attr<int64_t>("decay")
+                                                          .Attr<bool>("amsgrad")
+                                                          .Attr<bool>("per_row")));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(OsaFusedAdamCatchUpF32, FusedAdamCatchUpImpl,
-                              MomentStepInputs()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Attr<int64_t>("num_rows")
-                                  .Attr<bool>("maximize")
-                                  .Attr<bool>("stochastic")
-                                  .Attr<bool>("decoupled")
-                                  .Attr<bool>("catch_up")
-                                  .Attr<bool>("guard_eps")
-                                  .Attr<bool>("given_step_size")
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
+XLA_FFI_DEFINE_HANDLER_SYMBOL(OsaFusedAdamOptionsF32, FusedAdamOptionsImpl,
+                              OptionStepOutputs(
+                                  MomentStepAttrs(OptionStepInputs()
+                                                      .Arg<ffi::Buffer<ffi::S32>>()
+                                                      .Arg<ffi::Buffer<ffi::S32>>())
+                                      .Attr<bool>("decoupled")
+                                      .Attr<bool>("catch_up")
+                                      .Attr<bool>("guard_eps")
+                                      .Attr<bool>("given_step_size")
+                                      .Attr<bool>("l2")
+                                      .Attr<bool>("amsgrad")
+                                      .Attr<bool>("per_row"))
                                   .Ret<ffi::Buffer<ffi::S32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(OsaScatterAddRowsF32, ScatterAddRowsImpl,

@@ -5,16 +5,18 @@ a step's coalescing, slot updates and parameter scatter-add in one pass per
 table instead. A rule with a kernel variant is listed in `_VARIANTS` by its
 name; the variant computes what `xla.masked_step` computes with that rule, bit
 for bit (catch-up of idle rows to float32 rounding: its per-row powers use the
-C library's exp). The Adam and row-wise Adam variants are used only where they
-apply: on the CPU, float32 gradient and parameter, float32 or bfloat16 moments
-(stored in place, rounded as the step asks), with no amsgrad, L2 weight decay
-or per-row bias correction, and arrays known to be on one device (XLA cannot
-partition a custom call: it would gather a sharded table onto every device, so
-possibly sharded tables keep the XLA path). The Adam variant also runs the
-catch-up of idle rows (`catch_up_idle_rows=True`), with decoupled weight decay
-(`sparse_adamw`) too, in the kernel; the row-wise one does not. Everything
-else runs XLA ops; `lax.platform_dependent` picks per backend when the step is
-lowered (`_backends.dispatch`). Under `jax.vmap` the kernels run once per batch
+C library's exp). The Adam and row-wise Adam variants (their calls:
+`moment_steps`) are used where they apply: on the CPU, float32 gradient (and
+parameter, read for weight decay), float32 or bfloat16 moments (stored in
+place, rounded as the step asks), with any of the pipeline's options (L2 or
+decoupled weight decay, amsgrad, per-row bias correction; for Adam, catch-up
+of idle rows), and arrays known to be on one device (XLA cannot partition a
+custom call: it would gather a sharded table onto every device, so possibly
+sharded tables keep the XLA path). Weight decay needs the step's rounding zero
+(`StepInputs.opaque_zero`, which `sparse_adam` always gives): with it the XLA
+path rounds the decay's terms as the kernels do. Everything else runs XLA ops;
+`lax.platform_dependent` picks per backend when the step is lowered
+(`_backends.dispatch`). Under `jax.vmap` the kernels run once per batch
 element.
 
 Set `OPTAX_SPARSE_ADAM_CPU_KERNELS=0` (before the first step is traced), or use
@@ -36,23 +38,16 @@ import jax
 import jax.numpy as jnp
 
 from optax_sparse_adam._backends import choice
-from optax_sparse_adam._core import rounding, sharding
+from optax_sparse_adam._backends.cpu import moment_steps
+from optax_sparse_adam._core import sharding
 from optax_sparse_adam._core.adam import AdamRule
 from optax_sparse_adam._core.bcoo import RowLayout
-from optax_sparse_adam._core.errors import is_python_number
 from optax_sparse_adam._core.rowwise_adam import (
   RowwiseAdamRule,
-  bias_corrections,
-  inverse_row_size,
 )
-from optax_sparse_adam._core.rules import RowsStep, StepInputs, StepPlan, Tables
+from optax_sparse_adam._core.rules import RowsStep, StepInputs, StepPlan
 
-_FUSED_ADAM = "optax_sparse_adam_fused_adam_f32"
-_FUSED_ADAM_CATCH_UP = "optax_sparse_adam_fused_adam_catch_up_f32"
-_FUSED_ROWWISE_ADAM = "optax_sparse_adam_fused_rowwise_adam_f32"
 _SCATTER_ADD_ROWS = "optax_sparse_adam_scatter_add_rows_f32"
-# Under jax.vmap a kernel runs once per batch element (a loop around the call).
-_VMAP_METHOD = "sequential"
 
 
 def _library_path() -> Path | None:
@@ -86,13 +81,17 @@ def available() -> bool:
   try:
     library = ctypes.CDLL(str(path))
     jax.ffi.register_ffi_target(
-      _FUSED_ADAM, jax.ffi.pycapsule(library.OsaFusedAdamF32), platform="cpu"
+      moment_steps.FUSED_ADAM, jax.ffi.pycapsule(library.OsaFusedAdamF32), platform="cpu"
     )
     jax.ffi.register_ffi_target(
-      _FUSED_ADAM_CATCH_UP, jax.ffi.pycapsule(library.OsaFusedAdamCatchUpF32), platform="cpu"
+      moment_steps.FUSED_ADAM_OPTIONS,
+      jax.ffi.pycapsule(library.OsaFusedAdamOptionsF32),
+      platform="cpu",
     )
     jax.ffi.register_ffi_target(
-      _FUSED_ROWWISE_ADAM, jax.ffi.pycapsule(library.OsaFusedRowwiseAdamF32), platform="cpu"
+      moment_steps.FUSED_ROWWISE_ADAM,
+      jax.ffi.pycapsule(library.OsaFusedRowwiseAdamF32),
+      platform="cpu",
     )
     jax.ffi.register_ffi_target(
       _SCATTER_ADD_ROWS, jax.ffi.pycapsule(library.OsaScatterAddRowsF32), platform="cpu"
@@ -192,240 +191,69 @@ def use_cpu_kernels(enable: bool) -> Iterator[None]:
     yield
 
 
-def _plain_step_applies(inputs: StepInputs, plan: StepPlan) -> bool:
-  """Float32 gradient, float32 or bf16 `mu` and `nu`, no weight decay, per-row steps or catch-up."""
-  tables = inputs.tables
+def _moment_step_applies(inputs: StepInputs, plan: StepPlan) -> bool:
+  """Float32 gradient (and parameter, read for weight decay), float32 or bf16 slots, int32
+  step tables, float32 arithmetic: any weight decay, amsgrad, per-row steps or catch-up."""
+  tables, hyper, config = inputs.tables, inputs.hyper, plan.config
+  weight_decay = config.weight_decay != "none"
+  # Weight decay's terms are rounded as the kernels round them only with the rounding zero.
+  if weight_decay and (
+    tables.param is None or hyper.weight_decay is None or inputs.opaque_zero is None
+  ):
+    return False
+  if config.weight_decay == "decoupled" and hyper.learning_rate is None:
+    return False
+  # Stochastic rounding keys on the step count (the XLA path refuses a step without one).
+  if inputs.step is None and config.moment_rounding != "nearest":
+    return False
+  slots = tables.slots
+  if "nu_max" in slots and jnp.dtype(slots["nu_max"].dtype) != jnp.dtype(slots["nu"].dtype):
+    return False
+  steps = tuple(x for x in (tables.row_step, tables.last_step) if x is not None)
+  param = (tables.param,) if weight_decay else ()
   return (
-    tables.row_step is None
-    and tables.last_step is None
-    and plan.config.weight_decay == "none"
-    # Stochastic rounding keys on the step count (the XLA path refuses a step without one).
-    and (inputs.step is not None or plan.config.moment_rounding == "nearest")
+    jnp.dtype(config.compute_dtype) == jnp.dtype(jnp.float32)
+    and all(jnp.dtype(x.dtype) == jnp.dtype(jnp.int32) for x in steps)
+    and sharding.on_one_cpu_device(steps)
     and _applies(
-      (inputs.values,),
+      (inputs.values, *param),
       nse=inputs.values.shape[0],
       num_rows=plan.layout.num_rows,
       row_size=math.prod(plan.layout.dense_shape),
-      moments=(tables.slots["mu"], tables.slots["nu"]),
+      moments=tuple(slots.values()),
     )
   )
-
-
-def _rounding_keys(inputs: StepInputs, plan: StepPlan) -> jax.Array:
-  """uint32 `(3,)`: mu's and nu's stochastic-rounding keys of this step and the tables'
-  first global row (`StepInputs.row_offset`), read if stochastic."""
-  step = inputs.step if inputs.step is not None else jnp.zeros((), jnp.int32)
-  names = [slot.name for slot in plan.rule.slots()]
-  keys = [rounding.step_key(step, names.index(name)) for name in ("mu", "nu")]
-  offset = inputs.row_offset if inputs.row_offset is not None else 0
-  return jnp.stack([*keys, jnp.asarray(offset).astype(jnp.uint32)])
 
 
 def _adam_applies(inputs: StepInputs, plan: StepPlan) -> bool:
-  rule = plan.rule
-  if not isinstance(rule, AdamRule) or rule.amsgrad:
+  if not isinstance(plan.rule, AdamRule) or not _moment_step_applies(inputs, plan):
     return False
-  return _plain_step_applies(inputs, plan) or _adam_catch_up_applies(inputs, plan)
-
-
-def _adam_step(inputs: StepInputs, plan: StepPlan) -> RowsStep:
-  assert isinstance(plan.rule, AdamRule)
-  if not _plain_step_applies(inputs, plan):
-    return _adam_catch_up_step(inputs, plan)
-  step_size = plan.rule.step_size(inputs.hyper, inputs.step)
-  return _moment_step(_FUSED_ADAM, inputs, plan, [step_size])
+  return inputs.tables.last_step is None or _adam_catch_up_applies(inputs, plan)
 
 
 def _adam_catch_up_applies(inputs: StepInputs, plan: StepPlan) -> bool:
-  """Adam with catch-up of idle rows, with or without decoupled weight decay.
-
-  Not lazy AdamW alone: XLA rounds its `delta - lr * wd * p` once (a fused
-  multiply-add) under jit and twice op by op, so no kernel equals both; the
-  catch-up step is equal to float32 rounding only anyway (jit's FMA, here).
-  """
+  """Catch-up of idle rows, with or without decoupled weight decay and amsgrad (the optax
+  layer refuses it with L2 weight decay and per-row steps)."""
   tables, hyper, config = inputs.tables, inputs.hyper, plan.config
-  decoupled = config.weight_decay == "decoupled"
-  catch_up = tables.last_step is not None
-  if not catch_up or config.weight_decay == "l2" or tables.row_step is not None:
+  if config.weight_decay == "l2" or tables.row_step is not None:
     return False
-  if decoupled and (tables.param is None or hyper.learning_rate is None):
+  if inputs.step is None or hyper.log_b1 is None or hyper.log_b2 is None:
     return False
-  if catch_up and (inputs.step is None or hyper.log_b1 is None or hyper.log_b2 is None):
-    return False
-  if catch_up and hyper.step_size is None and hyper.learning_rate is None:
-    return False
-  if inputs.step is None and config.moment_rounding != "nearest":
-    return False
-  extra = (tables.param,) if decoupled else ()
-  last_step = () if tables.last_step is None else (tables.last_step,)
-  return (
-    jnp.dtype(config.compute_dtype) == jnp.dtype(jnp.float32)
-    and all(jnp.dtype(x.dtype) == jnp.dtype(jnp.int32) for x in last_step)
-    and sharding.on_one_cpu_device(last_step)
-    and _applies(
-      (inputs.values, *extra),
-      nse=inputs.values.shape[0],
-      num_rows=plan.layout.num_rows,
-      row_size=math.prod(plan.layout.dense_shape),
-      moments=(tables.slots["mu"], tables.slots["nu"]),
-    )
-  )
-
-
-def _catch_up_coefficients(inputs: StepInputs, plan: StepPlan) -> list[Any]:
-  """`lr * wd`, then the constants of `catch_up.idle_rows` as XLA computes them (float32)."""
-  f32 = jnp.float32
-  hyper = inputs.hyper
-
-  def c(x: Any) -> jax.Array:
-    return jnp.asarray(0.0 if x is None else x, f32)
-
-  decoupled = plan.config.weight_decay == "decoupled"
-  lr_wd = c(hyper.learning_rate) * c(hyper.weight_decay) if decoupled else c(0.0)
-  log_b1, log_b2 = c(hyper.log_b1), c(hyper.log_b2)
-  log_d = jnp.log1p(-c(hyper.learning_rate) * c(hyper.weight_decay)) if decoupled else c(0.0)
-
-  def base(log_x: jax.Array) -> list[jax.Array]:
-    # As catch_up.decayed_sum, _geometric_sum and _centroid compute them.
-    log_ratio = jnp.asarray(log_x - log_d, f32)
-    small = -jnp.abs(jnp.where(jnp.isfinite(log_ratio), log_ratio, -jnp.inf))
-    expm1_small = jnp.expm1(jnp.where(small == 0, -1.0, small))
-    return [log_x, log_ratio, small, expm1_small, -jnp.expm1(log_x)]
-
-  return [
-    lr_wd,
-    log_b1,
-    log_b2,
-    log_d,
-    c(hyper.learning_rate),
-    c(hyper.step_size),
-    *base(log_b1),
-    *base(log_b1 - 0.5 * log_b2),
-  ]
-
-
-def _adam_catch_up_step(inputs: StepInputs, plan: StepPlan) -> RowsStep:
-  """The Adam step with catch-up (and decoupled weight decay if asked): one FFI call.
-
-  As `_moment_step`, with the parameter (read for weight decay) and the rows'
-  last steps (updated in place when donated). Equal to `xla.masked_step` to
-  float32 rounding: the per-row powers and sums of catch-up use the C
-  library's exp and expm1, not XLA's (tests/backends/test_cpu_catch_up.py).
-  """
-  assert isinstance(plan.rule, AdamRule)
-  f32, i32 = jnp.float32, jnp.int32
-  hyper, tables, config = inputs.hyper, inputs.tables, plan.config
-  decoupled = config.weight_decay == "decoupled"
-  catch_up = tables.last_step is not None
-  mu, nu = tables.slots["mu"], tables.slots["nu"]
-  param = tables.param if decoupled else None
-  last_step = tables.last_step if catch_up else None
-  param = jnp.zeros((0,), f32) if param is None else param
-  last_step = jnp.zeros((0,), i32) if last_step is None else last_step
-  step = jnp.zeros((1,), i32) if inputs.step is None else jnp.reshape(inputs.step, (1,))
-  coefficients = [
-    hyper.one_minus_b1,
-    hyper.one_minus_b2,
-    hyper.eps,
-    plan.rule.step_size(hyper, inputs.step),
-    *_catch_up_coefficients(inputs, plan),
-  ]
-  nse = inputs.rows.shape[0]
-  out_types = (
-    jax.ShapeDtypeStruct((nse,), i32),
-    jax.ShapeDtypeStruct(inputs.values.shape, f32),
-    jax.ShapeDtypeStruct(mu.shape, mu.dtype),
-    jax.ShapeDtypeStruct(nu.shape, nu.dtype),
-    jax.ShapeDtypeStruct(last_step.shape, i32),
-  )
-  call = jax.ffi.ffi_call(
-    _FUSED_ADAM_CATCH_UP,
-    out_types,
-    input_output_aliases={2: 2, 3: 3, 7: 4},
-    vmap_method=_VMAP_METHOD,
-  )
-  distinct_rows, delta, mu, nu, last_step = call(
-    inputs.rows,
-    inputs.values,
-    mu,
-    nu,
-    jnp.stack([jnp.asarray(x, f32) for x in coefficients]),
-    _rounding_keys(inputs, plan),
-    param,
-    last_step,
-    step.astype(i32),
-    num_rows=plan.layout.num_rows,
-    maximize=config.maximize,
-    stochastic=config.moment_rounding == "stochastic",
-    decoupled=decoupled,
-    catch_up=catch_up,
-    # catch_up.idle_rows divides by sqrt(v) + eps unguarded only for a Python eps > 0.
-    guard_eps=not (is_python_number(hyper.eps) and hyper.eps > 0),
-    given_step_size=hyper.step_size is not None,
-  )
-  new_tables = Tables({"mu": mu, "nu": nu}, last_step=last_step if catch_up else None)
-  return RowsStep(distinct_rows, delta, new_tables)
+  return hyper.step_size is not None or hyper.learning_rate is not None
 
 
 def _rowwise_adam_applies(inputs: StepInputs, plan: StepPlan) -> bool:
-  rule = plan.rule
   return (
-    isinstance(rule, RowwiseAdamRule) and not rule.amsgrad and _plain_step_applies(inputs, plan)
+    isinstance(plan.rule, RowwiseAdamRule)
+    and inputs.tables.last_step is None
+    and _moment_step_applies(inputs, plan)
   )
-
-
-def _rowwise_adam_step(inputs: StepInputs, plan: StepPlan) -> RowsStep:
-  assert inputs.step is not None  # the optax layer counts the steps of this rule
-  # The same function, so the same bits, as the rule's own bias corrections.
-  lr_over_bc1, inv_bc2 = bias_corrections(inputs.hyper, inputs.step, jnp.float32)
-  inv_row_size = inverse_row_size(math.prod(plan.layout.dense_shape), jnp.float32)
-  return _moment_step(_FUSED_ROWWISE_ADAM, inputs, plan, [lr_over_bc1, inv_bc2, inv_row_size])
-
-
-def _moment_step(
-  target: str, inputs: StepInputs, plan: StepPlan, coefficients: list[Any]
-) -> RowsStep:
-  """The fused step of a rule whose state is `mu` and `nu`: one FFI call.
-
-  The kernel is given float32 `(1 - b1, 1 - b2, eps, *coefficients)`, the
-  rounding keys of this step and the tables in their own shapes (a reshape would
-  make XLA copy an operand the kernel updates in place); it views them as
-  `num_rows` rows, updates `mu` and `nu` (float32 or bfloat16) in place when
-  donated, and returns the distinct rows then padding and their deltas, as
-  `xla.masked_step` with the same rule.
-  """
-  f32 = jnp.float32
-  hyper = inputs.hyper
-  mu, nu = inputs.tables.slots["mu"], inputs.tables.slots["nu"]
-  coefficients = [hyper.one_minus_b1, hyper.one_minus_b2, hyper.eps, *coefficients]
-  nse = inputs.rows.shape[0]
-  out_types = (
-    jax.ShapeDtypeStruct((nse,), jnp.int32),
-    jax.ShapeDtypeStruct(inputs.values.shape, f32),
-    jax.ShapeDtypeStruct(mu.shape, mu.dtype),
-    jax.ShapeDtypeStruct(nu.shape, nu.dtype),
-  )
-  call = jax.ffi.ffi_call(
-    target, out_types, input_output_aliases={2: 2, 3: 3}, vmap_method=_VMAP_METHOD
-  )
-  distinct_rows, delta, mu, nu = call(
-    inputs.rows,
-    inputs.values,
-    mu,
-    nu,
-    jnp.stack([jnp.asarray(x, f32) for x in coefficients]),
-    _rounding_keys(inputs, plan),
-    num_rows=plan.layout.num_rows,
-    maximize=plan.config.maximize,
-    stochastic=plan.config.moment_rounding == "stochastic",
-  )
-  return RowsStep(distinct_rows, delta, Tables({"mu": mu, "nu": nu}))
 
 
 # The rules with a fused kernel, by `RowRule.name`.
 _VARIANTS: dict[str, KernelVariant] = {
-  "adam": KernelVariant(_adam_applies, _adam_step),
-  "rowwise_adam": KernelVariant(_rowwise_adam_applies, _rowwise_adam_step),
+  "adam": KernelVariant(_adam_applies, moment_steps.adam_step),
+  "rowwise_adam": KernelVariant(_rowwise_adam_applies, moment_steps.rowwise_adam_step),
 }
 
 
@@ -441,6 +269,6 @@ def scatter_add_rows(
     _SCATTER_ADD_ROWS,
     jax.ShapeDtypeStruct(table.shape, jnp.float32),
     input_output_aliases={0: 0},
-    vmap_method=_VMAP_METHOD,
+    vmap_method=moment_steps.VMAP_METHOD,
   )
   return call(table, rows, values, num_rows=num_rows, rows_unique=rows_unique)

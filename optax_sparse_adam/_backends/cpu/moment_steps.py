@@ -1,0 +1,298 @@
+"""The FFI calls of the Adam and row-wise Adam kernel variants (`kernels.cc`), and their inputs.
+
+`kernels.py` decides where a variant applies; these build its call: the
+step's scalars computed in XLA as `xla.masked_step` computes them (so the two
+paths round alike), the tables in their own shapes (a reshape would make XLA
+copy an operand the kernel updates in place) and, for the pipeline's options,
+the parameter (weight decay), the running max (amsgrad), the rows' step counts
+and each entry's step size (per-row bias correction) and the rows' last steps
+(catch-up). Unused buffers are empty. Every table the kernel writes is aliased
+to its operand, so it is updated in place when donated.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from optax_sparse_adam._core import rounding
+from optax_sparse_adam._core.adam import AdamRule
+from optax_sparse_adam._core.errors import is_python_number
+from optax_sparse_adam._core.rowwise_adam import (
+  RowwiseAdamRule,
+  bias_corrections,
+  inverse_row_size,
+)
+from optax_sparse_adam._core.rules import RowsStep, StepInputs, StepPlan, Tables
+
+FUSED_ADAM = "optax_sparse_adam_fused_adam_f32"
+FUSED_ADAM_OPTIONS = "optax_sparse_adam_fused_adam_options_f32"
+FUSED_ROWWISE_ADAM = "optax_sparse_adam_fused_rowwise_adam_f32"
+# Under jax.vmap a kernel runs once per batch element (a loop around the call).
+VMAP_METHOD = "sequential"
+
+
+def plain(inputs: StepInputs, plan: StepPlan) -> bool:
+  """No weight decay, amsgrad, per-row steps or catch-up: the rule's step alone."""
+  tables = inputs.tables
+  return (
+    plan.config.weight_decay == "none"
+    and "nu_max" not in tables.slots
+    and tables.row_step is None
+    and tables.last_step is None
+  )
+
+
+def adam_step(inputs: StepInputs, plan: StepPlan) -> RowsStep:
+  """The Adam variant: the plain kernel, or the one with the pipeline's options."""
+  assert isinstance(plan.rule, AdamRule)
+  if not plain(inputs, plan):
+    return _adam_options_step(inputs, plan)
+  step_size = plan.rule.step_size(inputs.hyper, inputs.step)
+  rows, delta, mu, nu = _fused_call(FUSED_ADAM, inputs, plan, [step_size], None)
+  return RowsStep(rows, delta, Tables({"mu": mu, "nu": nu}))
+
+
+def _rounding_keys(inputs: StepInputs, plan: StepPlan) -> jax.Array:
+  """uint32 `(3,)`: mu's and nu's stochastic-rounding keys of this step and the tables'
+  first global row (`StepInputs.row_offset`), read if stochastic."""
+  step = inputs.step if inputs.step is not None else jnp.zeros((), jnp.int32)
+  names = [slot.name for slot in plan.rule.slots()]
+  keys = [rounding.step_key(step, names.index(name)) for name in ("mu", "nu")]
+  offset = inputs.row_offset if inputs.row_offset is not None else 0
+  return jnp.stack([*keys, jnp.asarray(offset).astype(jnp.uint32)])
+
+
+def _entry_step_counts(inputs: StepInputs) -> jax.Array:
+  """int32 `(nse,)`: each entry's row's step count after this step, as `xla.masked_step`
+  counts it (padding entries: 1, unused)."""
+  assert inputs.tables.row_step is not None
+  old = inputs.tables.row_step.at[inputs.rows].get(mode="fill", fill_value=0)
+  return jnp.maximum(optax.safe_increment(old), 1)
+
+
+def _decay_coefficient(inputs: StepInputs, plan: StepPlan) -> jax.Array:
+  """`wd` (L2), `lr * wd` (decoupled) or 0, in float32 as `xla.masked_step` computes it."""
+  f32, hyper = jnp.float32, inputs.hyper
+  if plan.config.weight_decay == "l2":
+    return jnp.asarray(hyper.weight_decay, f32)
+  if plan.config.weight_decay == "decoupled":
+    return jnp.asarray(hyper.learning_rate, f32) * jnp.asarray(hyper.weight_decay, f32)
+  return jnp.zeros((), f32)
+
+
+class _OptionArrays(NamedTuple):
+  """The option buffers of a fused step (`OptionBuffers` in kernels.cc): empty where unused."""
+
+  param: jax.Array
+  nu_max: jax.Array
+  row_step: jax.Array
+  entry_scales: jax.Array
+
+
+def _option_arrays(inputs: StepInputs, plan: StepPlan, entry_scales: Any) -> _OptionArrays:
+  """The step's option buffers; `entry_scales`: each entry's step-size factors (per-row
+  steps), `(nse,)` or `(nse, k)`, or None."""
+  tables = inputs.tables
+  nu = tables.slots["nu"]
+  param = tables.param if plan.config.weight_decay != "none" else None
+  f32 = jnp.float32
+  return _OptionArrays(
+    jnp.zeros((0,), f32) if param is None else param,
+    tables.slots.get("nu_max", jnp.zeros((0,), nu.dtype)),
+    jnp.zeros((0,), jnp.int32) if tables.row_step is None else tables.row_step,
+    jnp.zeros((0,), f32) if entry_scales is None else jnp.asarray(entry_scales, f32),
+  )
+
+
+def _new_tables(inputs: StepInputs, mu, nu, nu_max, row_step, last_step=None) -> Tables:
+  tables = inputs.tables
+  slots = {"mu": mu, "nu": nu}
+  if "nu_max" in tables.slots:
+    slots["nu_max"] = nu_max
+  return Tables(
+    slots,
+    row_step if tables.row_step is not None else None,
+    last_step=last_step if tables.last_step is not None else None,
+  )
+
+
+def _catch_up_coefficients(inputs: StepInputs, plan: StepPlan) -> list[Any]:
+  """`lr * wd`, then the constants of `catch_up.idle_rows` as XLA computes them (float32)."""
+  f32 = jnp.float32
+  hyper = inputs.hyper
+
+  def c(x: Any) -> jax.Array:
+    return jnp.asarray(0.0 if x is None else x, f32)
+
+  decoupled = plan.config.weight_decay == "decoupled"
+  lr_wd = c(hyper.learning_rate) * c(hyper.weight_decay) if decoupled else c(0.0)
+  log_b1, log_b2 = c(hyper.log_b1), c(hyper.log_b2)
+  log_d = jnp.log1p(-c(hyper.learning_rate) * c(hyper.weight_decay)) if decoupled else c(0.0)
+
+  def base(log_x: jax.Array) -> list[jax.Array]:
+    # As catch_up.decayed_sum, _geometric_sum and _centroid compute them.
+    log_ratio = jnp.asarray(log_x - log_d, f32)
+    small = -jnp.abs(jnp.where(jnp.isfinite(log_ratio), log_ratio, -jnp.inf))
+    expm1_small = jnp.expm1(jnp.where(small == 0, -1.0, small))
+    return [log_x, log_ratio, small, expm1_small, -jnp.expm1(log_x)]
+
+  return [
+    lr_wd,
+    log_b1,
+    log_b2,
+    log_d,
+    c(hyper.learning_rate),
+    c(hyper.step_size),
+    *base(log_b1),
+    *base(log_b1 - 0.5 * log_b2),
+  ]
+
+
+# The catch-up constants after the decay coefficient (`_catch_up_coefficients`).
+_NUM_CATCH_UP_CONSTANTS = 15
+
+
+def _adam_options_step(inputs: StepInputs, plan: StepPlan) -> RowsStep:
+  """The Adam step with weight decay, amsgrad, per-row steps or catch-up: one FFI call.
+
+  The plain step's call with the option buffers (`_OptionArrays`), then the rows'
+  last steps (catch-up, updated in place) and this step's count. Equal to
+  `xla.masked_step` bit for bit, but with catch-up: there to float32 rounding,
+  as the per-row powers and sums of catch-up use the C library's exp and expm1,
+  not XLA's (tests/backends/test_cpu_catch_up.py).
+  """
+  assert isinstance(plan.rule, AdamRule)
+  f32, i32 = jnp.float32, jnp.int32
+  hyper, tables, config = inputs.hyper, inputs.tables, plan.config
+  catch_up = tables.last_step is not None
+  per_row = tables.row_step is not None
+  last_step = jnp.zeros((0,), i32) if tables.last_step is None else tables.last_step
+  step = jnp.zeros((1,), i32) if inputs.step is None else jnp.reshape(inputs.step, (1,))
+  entry_scales = None
+  step_size: Any = 0.0
+  if per_row:
+    sizes = plan.rule.step_size(hyper, _entry_step_counts(inputs))
+    entry_scales = jnp.broadcast_to(jnp.asarray(sizes, f32), inputs.rows.shape)
+  else:
+    step_size = plan.rule.step_size(hyper, inputs.step)
+  if catch_up:
+    extra = _catch_up_coefficients(inputs, plan)[1:]
+  else:
+    extra = [0.0] * _NUM_CATCH_UP_CONSTANTS
+  coefficients = [step_size, _decay_coefficient(inputs, plan), *extra]
+  rows, delta, mu, nu, nu_max, row_step, last_step = _fused_call(
+    FUSED_ADAM_OPTIONS,
+    inputs,
+    plan,
+    coefficients,
+    _option_arrays(inputs, plan, entry_scales),
+    updated=(last_step,),
+    read=(step.astype(i32),),
+    decoupled=config.weight_decay == "decoupled",
+    catch_up=catch_up,
+    # catch_up.idle_rows divides by sqrt(v) + eps unguarded only for a Python eps > 0.
+    guard_eps=not (is_python_number(hyper.eps) and hyper.eps > 0),
+    given_step_size=hyper.step_size is not None,
+    l2=config.weight_decay == "l2",
+    amsgrad=plan.rule.amsgrad,
+    per_row=per_row,
+  )
+  return RowsStep(rows, delta, _new_tables(inputs, mu, nu, nu_max, row_step, last_step))
+
+
+_DECAY_CODES = {"none": 0, "l2": 1, "decoupled": 2}
+
+
+def rowwise_adam_step(inputs: StepInputs, plan: StepPlan) -> RowsStep:
+  """The row-wise Adam step, with weight decay, amsgrad and per-row steps: one FFI call."""
+  assert isinstance(plan.rule, RowwiseAdamRule)
+  f32 = jnp.float32
+  config, hyper = plan.config, inputs.hyper
+  assert inputs.step is not None  # the optax layer counts the steps of this rule
+  per_row = inputs.tables.row_step is not None
+  # The same function, so the same bits, as the rule's own bias corrections.
+  lr_over_bc1, inv_bc2 = bias_corrections(hyper, inputs.step, f32)
+  entry_scales = None
+  if per_row:
+    entry_scales = jnp.stack(bias_corrections(hyper, _entry_step_counts(inputs), f32), 1)
+  inv_row_size = inverse_row_size(math.prod(plan.layout.dense_shape), f32)
+  coefficients = [lr_over_bc1, inv_bc2, inv_row_size, _decay_coefficient(inputs, plan)]
+  rows, delta, mu, nu, nu_max, row_step = _fused_call(
+    FUSED_ROWWISE_ADAM,
+    inputs,
+    plan,
+    coefficients,
+    _option_arrays(inputs, plan, entry_scales),
+    decay=_DECAY_CODES[config.weight_decay],
+    amsgrad=plan.rule.amsgrad,
+    per_row=per_row,
+  )
+  return RowsStep(rows, delta, _new_tables(inputs, mu, nu, nu_max, row_step))
+
+
+def _fused_call(
+  target: str,
+  inputs: StepInputs,
+  plan: StepPlan,
+  coefficients: list[Any],
+  options: _OptionArrays | None,
+  *,
+  updated: Sequence[jax.Array] = (),
+  read: Sequence[jax.Array] = (),
+  **attributes: Any,
+) -> tuple[jax.Array, ...]:
+  """One fused step of a rule whose state is `mu` and `nu`: one FFI call.
+
+  The kernel is given the rows, the values, `mu` and `nu`, float32
+  `(1 - b1, 1 - b2, eps, *coefficients)`, the rounding keys of this step, then
+  (if given) the option buffers and the `updated` and `read` arrays, with the
+  attributes `num_rows`, `maximize`, `stochastic` and `attributes`. Tables come
+  in their own shapes (a reshape would make XLA copy an operand the kernel
+  updates in place). Returns the distinct rows then padding, their deltas, the
+  new `mu` and `nu` (float32 or bfloat16), then the new `nu_max` and row steps
+  (with options) and the new `updated` arrays, each aliased to its operand (in
+  place when donated).
+  """
+  f32, hyper = jnp.float32, inputs.hyper
+  mu, nu = inputs.tables.slots["mu"], inputs.tables.slots["nu"]
+  coefficients = [hyper.one_minus_b1, hyper.one_minus_b2, hyper.eps, *coefficients]
+  args = [
+    inputs.rows,
+    inputs.values,
+    mu,
+    nu,
+    jnp.stack([jnp.asarray(x, f32) for x in coefficients]),
+    _rounding_keys(inputs, plan),
+  ]
+  written = [(2, mu), (3, nu)]
+  if options is not None:
+    written += [(len(args) + 1, options.nu_max), (len(args) + 2, options.row_step)]
+    args += list(options)
+  written += [(len(args) + i, x) for i, x in enumerate(updated)]
+  args += [*updated, *read]
+  out_types = (
+    jax.ShapeDtypeStruct(inputs.rows.shape, jnp.int32),
+    jax.ShapeDtypeStruct(inputs.values.shape, f32),
+    *(jax.ShapeDtypeStruct(x.shape, x.dtype) for _, x in written),
+  )
+  call = jax.ffi.ffi_call(
+    target,
+    out_types,
+    input_output_aliases={arg: out for out, (arg, _) in enumerate(written, start=2)},
+    vmap_method=VMAP_METHOD,
+  )
+  return tuple(
+    call(
+      *args,
+      num_rows=plan.layout.num_rows,
+      maximize=plan.config.maximize,
+      stochastic=plan.config.moment_rounding == "stochastic",
+      **attributes,
+    )
+  )
