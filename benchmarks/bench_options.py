@@ -50,12 +50,15 @@ OPTIONS: dict[str, tuple[Callable[..., Any], dict[str, Any]]] = {
     osa.sparse_adamw,
     {"weight_decay": 1e-2, "amsgrad": True, "catch_up_idle_rows": True},
   ),
+  # bf16 moments and the row-wise rule alone, to read the options' cost on top of them.
+  "bf16_stochastic": (osa.sparse_adam, STOCHASTIC),
   "adamw_bf16_stochastic": (osa.sparse_adamw, {"weight_decay": 1e-2, **STOCHASTIC}),
   "l2_amsgrad_bf16": (osa.sparse_adam, {"weight_decay": 1e-2, "amsgrad": True, **BF16}),
   "rowwise_bf16mu_stochastic": (
     osa.sparse_adam,
     {"rowwise_second_moment": True, "mu_dtype": "bfloat16", "moment_rounding": "stochastic"},
   ),
+  "rowwise": (osa.sparse_adam, {"rowwise_second_moment": True}),
   "rowwise_adamw": (osa.sparse_adamw, {"weight_decay": 1e-2, "rowwise_second_moment": True}),
   "rowwise_l2_amsgrad_per_row": (
     osa.sparse_adam,

@@ -12,7 +12,8 @@ what it calls (memset, malloc). XLA's own ops around them are not counted
 (`benchmarks.compiled_diff` compares those programs).
 
 Settings are sparse_adam options (`--setting NAME=JSON`, repeatable; a
-"_kernels": false entry runs the XLA ops). With `--b`, a second checkout is
+"_kernels": false entry runs the XLA ops, "_factory": "sparse_adamw" makes the
+optimizer with `sparse_adamw`). With `--b`, a second checkout is
 counted the same way and the ratio B/A printed (A: `--a`, default `.`).
 
 Run from the repository root (about 3 minutes a setting and checkout):
@@ -43,8 +44,9 @@ from benchmarks import _common as c
 dist, vocab, dim, batch, steps = sys.argv[1], *(int(x) for x in sys.argv[2:6])
 options = json.loads(sys.argv[6])
 kernels = options.pop("_kernels", True)
+factory = getattr(osa, options.pop("_factory", "sparse_adam"))
 ids, values = c.id_batches(dist, vocab, batch), c.grad_values(batch, dim)
-opt = osa.sparse_adam(1e-3, **options)
+opt = factory(1e-3, **options)
 params = {"table": jnp.zeros((vocab, dim), jnp.float32)}
 state = opt.init(params)
 grads = [

@@ -1,5 +1,7 @@
 // Fused CPU kernels of the masked step, called from XLA through its FFI: one
-// variant per row rule that has one (Adam, row-wise Adam), and the scatter-add.
+// variant per row rule that has one (Adam, row-wise Adam), each also with the
+// pipeline's options (weight decay, amsgrad, per-row steps; Adam: catch-up) as
+// compile-time flags of one row loop, and the scatter-add.
 //
 // XLA:CPU emits gathers and scatters as element-by-element loops, and a masked
 // step needs seven of them over the touched rows. These kernels do the same
@@ -10,7 +12,9 @@
 // operation: every product and sum is rounded on its own (compiled with
 // -ffp-contract=off, so no FMA), square root and division are IEEE, and
 // duplicate entries are summed in input order starting from +0.0, as XLA's
-// scatter-add does. Tests check the two paths agree bit for bit.
+// scatter-add does. The XLA ops round weight decay's products where they stand
+// too (`adam.rounded`), so the two paths agree bit for bit with every option
+// (docs/architecture.md, "One numerics contract"); tests check it.
 
 #include <algorithm>
 #include <atomic>
@@ -248,14 +252,14 @@ struct RowExtras {
 // `max(old, new)` as XLA:CPU's max computes it, NaNs included (the old value
 // where it is NaN, the quiet NaN where only the new one is, else the larger,
 // the old one if equal), stored in `*dst`'s format; returns the stored value.
+// Bit masks, not branches, so that the row loops stay vectorized.
 template <typename T>
 inline float StoreMax(T* dst, float old_value, float new_value) {
-  const float quiet_nan = WithBits(0x7FC00000u);
-  const float larger = old_value != old_value   ? old_value
-                       : new_value != new_value ? quiet_nan
-                       : old_value >= new_value ? old_value
-                                                : new_value;
-  return StoreMoment<false>(dst, larger, 0u, 0);
+  const uint32_t old_nan = 0u - static_cast<uint32_t>(old_value != old_value);
+  const uint32_t new_nan = ~old_nan & (0u - static_cast<uint32_t>(new_value != new_value));
+  const uint32_t keep_old = old_nan | (0u - static_cast<uint32_t>(old_value >= new_value));
+  const uint32_t larger = (Bits(old_value) & keep_old) | (Bits(new_value) & ~keep_old);
+  return StoreMoment<false>(dst, WithBits((larger & ~new_nan) | (0x7FC00000u & new_nan)), 0u, 0);
 }
 
 // The moment and parameter arithmetic of one row, in AdamRule.update's order;
@@ -610,15 +614,18 @@ const CatchUpRow& CachedCatchUpRow(const CatchUpConstants& c, int32_t last, uint
 // or updated in place by a fused step with options: param f32 (the parameter in
 // its own shape, read; empty without weight decay), nu_max (amsgrad's running
 // max, stored and shaped like nu, updated in place; empty without amsgrad),
-// row_step s32 (num_rows,) (each row's step count, incremented in place,
-// saturating; empty without per-row steps) and entry_scales f32 (nse, width)
-// (each gradient entry's row's step-size factors for its new step count, as
-// XLA computes them; empty without per-row steps).
+// row_step s32 (num_rows,) (each row's step count, updated in place; empty
+// without per-row steps), entry_scales f32 (nse, width) and entry_steps s32
+// (nse,) (each gradient entry's row's step-size factors for its new step count
+// and that count, as XLA computes them from the row's count: the kernel stores
+// the count of the row's first entry; empty without per-row steps). XLA
+// gathers the counts because its step sizes' exp is not the C library's.
 struct OptionBuffers {
   const float* p = nullptr;
   void* nu_max = nullptr;
   int32_t* row_step = nullptr;
   const float* entry_scales = nullptr;
+  const int32_t* entry_steps = nullptr;
 };
 
 // Checks the option buffers of a step of `nse` entries, starts undonated
@@ -627,7 +634,8 @@ ffi::Error PrepareOptions(const ffi::AnyBuffer& nu, int64_t num_rows, int64_t ns
                           int64_t scales_width, bool decay, bool amsgrad, bool per_row,
                           const ffi::Buffer<ffi::F32>& param, const ffi::AnyBuffer& nu_max,
                           const ffi::Buffer<ffi::S32>& row_step,
-                          const ffi::Buffer<ffi::F32>& entry_scales, size_t param_count,
+                          const ffi::Buffer<ffi::F32>& entry_scales,
+                          const ffi::Buffer<ffi::S32>& entry_steps, size_t param_count,
                           ffi::Result<ffi::AnyBuffer>& nu_max_out,
                           ffi::ResultBuffer<ffi::S32>& row_step_out, OptionBuffers& out) {
   if (decay && param.element_count() != param_count) {
@@ -638,9 +646,10 @@ ffi::Error PrepareOptions(const ffi::AnyBuffer& nu, int64_t num_rows, int64_t ns
     return ffi::Error::InvalidArgument("nu_max must have nu's dtype and size with amsgrad");
   }
   if (per_row && (static_cast<int64_t>(row_step.element_count()) != num_rows ||
-                  static_cast<int64_t>(entry_scales.element_count()) != nse * scales_width)) {
+                  static_cast<int64_t>(entry_scales.element_count()) != nse * scales_width ||
+                  static_cast<int64_t>(entry_steps.element_count()) != nse)) {
     return ffi::Error::InvalidArgument(
-        "row_step must hold one step per row and entry_scales one set per entry");
+        "row_step must hold one step per row, entry_scales and entry_steps one per entry");
   }
   if (amsgrad) CopyIfNotAliased(nu_max, nu_max_out);
   int32_t* steps = row_step_out->typed_data();
@@ -651,12 +660,8 @@ ffi::Error PrepareOptions(const ffi::AnyBuffer& nu, int64_t num_rows, int64_t ns
   out.nu_max = amsgrad ? nu_max_out->untyped_data() : nullptr;
   out.row_step = per_row ? steps : nullptr;
   out.entry_scales = per_row ? entry_scales.typed_data() : nullptr;
+  out.entry_steps = per_row ? entry_steps.typed_data() : nullptr;
   return ffi::Error::Success();
-}
-
-// A row's step count after its step (`optax.safe_increment`: saturating).
-inline void IncrementStep(int32_t* step) {
-  if (*step < INT32_MAX) ++*step;
 }
 
 // Runs `body(decay, catch_up, amsgrad)` with the three as compile-time values
@@ -691,7 +696,8 @@ ffi::Error FusedAdamOptionsImpl(
     ffi::Buffer<ffi::S32> rows, ffi::Buffer<ffi::F32> values, ffi::AnyBuffer mu,
     ffi::AnyBuffer nu, ffi::Buffer<ffi::F32> coeffs, ffi::Buffer<ffi::U32> keys,
     ffi::Buffer<ffi::F32> param, ffi::AnyBuffer nu_max, ffi::Buffer<ffi::S32> row_step,
-    ffi::Buffer<ffi::F32> entry_scales, ffi::Buffer<ffi::S32> last_step,
+    ffi::Buffer<ffi::F32> entry_scales, ffi::Buffer<ffi::S32> entry_steps,
+    ffi::Buffer<ffi::S32> last_step,
     ffi::Buffer<ffi::S32> step_count, int64_t num_rows, bool maximize, bool stochastic,
     bool decoupled, bool catch_up, bool guard_eps, bool given_step_size, bool l2, bool amsgrad,
     bool per_row, ffi::ThreadPool pool, ffi::ResultBuffer<ffi::S32> distinct_rows,
@@ -709,7 +715,8 @@ ffi::Error FusedAdamOptionsImpl(
   OptionBuffers o;
   const int64_t nse = static_cast<int64_t>(rows.element_count());
   if (auto error = PrepareOptions(nu, num_rows, nse, 1, decay != kNoDecay, amsgrad, per_row, param,
-                                  nu_max, row_step, entry_scales, mu.element_count(), nu_max_out,
+                                  nu_max, row_step, entry_scales, entry_steps, mu.element_count(),
+                                  nu_max_out,
                                   row_step_out, o);
       error.failure()) {
     return error;
@@ -743,7 +750,7 @@ ffi::Error FusedAdamOptionsImpl(
         float row_neg_step_size = neg_step_size;
         if (o.row_step != nullptr) {
           row_neg_step_size = -o.entry_scales[entry];
-          IncrementStep(o.row_step + row);
+          o.row_step[row] = o.entry_steps[entry];
         }
         if (catch_up) {
           const CatchUpRow& scalars = CachedCatchUpRow(constants, last[row], call);
@@ -830,7 +837,8 @@ ffi::Error FusedRowwiseAdamImpl(
     ffi::Buffer<ffi::S32> rows, ffi::Buffer<ffi::F32> values, ffi::AnyBuffer mu,
     ffi::AnyBuffer nu, ffi::Buffer<ffi::F32> coeffs, ffi::Buffer<ffi::U32> keys,
     ffi::Buffer<ffi::F32> param, ffi::AnyBuffer nu_max, ffi::Buffer<ffi::S32> row_step,
-    ffi::Buffer<ffi::F32> entry_scales, int64_t num_rows, bool maximize, bool stochastic,
+    ffi::Buffer<ffi::F32> entry_scales, ffi::Buffer<ffi::S32> entry_steps, int64_t num_rows,
+    bool maximize, bool stochastic,
     int64_t decay, bool amsgrad, bool per_row, ffi::ThreadPool pool,
     ffi::ResultBuffer<ffi::S32> distinct_rows, ffi::ResultBuffer<ffi::F32> delta,
     ffi::Result<ffi::AnyBuffer> mu_out, ffi::Result<ffi::AnyBuffer> nu_out,
@@ -841,7 +849,8 @@ ffi::Error FusedRowwiseAdamImpl(
   OptionBuffers o;
   const int64_t nse = static_cast<int64_t>(rows.element_count());
   if (auto error = PrepareOptions(nu, num_rows, nse, 2, decay != kNoDecay, amsgrad, per_row, param,
-                                  nu_max, row_step, entry_scales, mu.element_count(), nu_max_out,
+                                  nu_max, row_step, entry_scales, entry_steps, mu.element_count(),
+                                  nu_max_out,
                                   row_step_out, o);
       error.failure()) {
     return error;
@@ -865,7 +874,7 @@ ffi::Error FusedRowwiseAdamImpl(
         if (o.row_step != nullptr) {
           lr_over_bc1 = o.entry_scales[2 * entry];
           inv_bc2 = o.entry_scales[2 * entry + 1];
-          IncrementStep(o.row_step + row);
+          o.row_step[row] = o.entry_steps[entry];
         }
         const float* p = o.p == nullptr ? nullptr : o.p + row * row_size;
         NuT* vmax = o.nu_max == nullptr ? nullptr : static_cast<NuT*>(o.nu_max) + row;
@@ -954,7 +963,8 @@ auto OptionStepInputs() {
       .Arg<ffi::Buffer<ffi::F32>>()
       .Arg<ffi::AnyBuffer>()
       .Arg<ffi::Buffer<ffi::S32>>()
-      .Arg<ffi::Buffer<ffi::F32>>();
+      .Arg<ffi::Buffer<ffi::F32>>()
+      .Arg<ffi::Buffer<ffi::S32>>();
 }
 
 // The attributes every fused moment step starts with, after its inputs.

@@ -68,12 +68,17 @@ def _rounding_keys(inputs: StepInputs, plan: StepPlan) -> jax.Array:
   return jnp.stack([*keys, jnp.asarray(offset).astype(jnp.uint32)])
 
 
-def _entry_step_counts(inputs: StepInputs) -> jax.Array:
-  """int32 `(nse,)`: each entry's row's step count after this step, as `xla.masked_step`
-  counts it (padding entries: 1, unused)."""
+def _entry_step_counts(inputs: StepInputs) -> tuple[jax.Array, jax.Array]:
+  """int32 `(nse,)` twice: each entry's row's step count after this step, as `xla.masked_step`
+  stores it, and as its bias correction counts it (at least 1); padding entries: unused.
+
+  Both go to the kernel (the first to be stored): a gather with two consumers is
+  computed once, where one fused into the step sizes' loop would be scalar code.
+  """
   assert inputs.tables.row_step is not None
   old = inputs.tables.row_step.at[inputs.rows].get(mode="fill", fill_value=0)
-  return jnp.maximum(optax.safe_increment(old), 1)
+  new = optax.safe_increment(old)
+  return new, jnp.maximum(new, 1)
 
 
 def _decay_coefficient(inputs: StepInputs, plan: StepPlan) -> jax.Array:
@@ -93,11 +98,14 @@ class _OptionArrays(NamedTuple):
   nu_max: jax.Array
   row_step: jax.Array
   entry_scales: jax.Array
+  entry_steps: jax.Array
 
 
-def _option_arrays(inputs: StepInputs, plan: StepPlan, entry_scales: Any) -> _OptionArrays:
-  """The step's option buffers; `entry_scales`: each entry's step-size factors (per-row
-  steps), `(nse,)` or `(nse, k)`, or None."""
+def _option_arrays(
+  inputs: StepInputs, plan: StepPlan, entry_scales: Any = None, entry_steps: Any = None
+) -> _OptionArrays:
+  """The step's option buffers; with per-row steps, `entry_scales`: each entry's step-size
+  factors, `(nse,)` or `(nse, k)`, and `entry_steps`: its row's new count."""
   tables = inputs.tables
   nu = tables.slots["nu"]
   param = tables.param if plan.config.weight_decay != "none" else None
@@ -107,6 +115,7 @@ def _option_arrays(inputs: StepInputs, plan: StepPlan, entry_scales: Any) -> _Op
     tables.slots.get("nu_max", jnp.zeros((0,), nu.dtype)),
     jnp.zeros((0,), jnp.int32) if tables.row_step is None else tables.row_step,
     jnp.zeros((0,), f32) if entry_scales is None else jnp.asarray(entry_scales, f32),
+    jnp.zeros((0,), jnp.int32) if entry_steps is None else entry_steps,
   )
 
 
@@ -174,10 +183,11 @@ def _adam_options_step(inputs: StepInputs, plan: StepPlan) -> RowsStep:
   per_row = tables.row_step is not None
   last_step = jnp.zeros((0,), i32) if tables.last_step is None else tables.last_step
   step = jnp.zeros((1,), i32) if inputs.step is None else jnp.reshape(inputs.step, (1,))
-  entry_scales = None
+  entry_scales = entry_steps = None
   step_size: Any = 0.0
   if per_row:
-    sizes = plan.rule.step_size(hyper, _entry_step_counts(inputs))
+    entry_steps, counts = _entry_step_counts(inputs)
+    sizes = plan.rule.step_size(hyper, counts)
     entry_scales = jnp.broadcast_to(jnp.asarray(sizes, f32), inputs.rows.shape)
   else:
     step_size = plan.rule.step_size(hyper, inputs.step)
@@ -191,7 +201,7 @@ def _adam_options_step(inputs: StepInputs, plan: StepPlan) -> RowsStep:
     inputs,
     plan,
     coefficients,
-    _option_arrays(inputs, plan, entry_scales),
+    _option_arrays(inputs, plan, entry_scales, entry_steps),
     updated=(last_step,),
     read=(step.astype(i32),),
     decoupled=config.weight_decay == "decoupled",
@@ -218,9 +228,10 @@ def rowwise_adam_step(inputs: StepInputs, plan: StepPlan) -> RowsStep:
   per_row = inputs.tables.row_step is not None
   # The same function, so the same bits, as the rule's own bias corrections.
   lr_over_bc1, inv_bc2 = bias_corrections(hyper, inputs.step, f32)
-  entry_scales = None
+  entry_scales = entry_steps = None
   if per_row:
-    entry_scales = jnp.stack(bias_corrections(hyper, _entry_step_counts(inputs), f32), 1)
+    entry_steps, counts = _entry_step_counts(inputs)
+    entry_scales = jnp.stack(bias_corrections(hyper, counts, f32), 1)
   inv_row_size = inverse_row_size(math.prod(plan.layout.dense_shape), f32)
   coefficients = [lr_over_bc1, inv_bc2, inv_row_size, _decay_coefficient(inputs, plan)]
   rows, delta, mu, nu, nu_max, row_step = _fused_call(
@@ -228,7 +239,7 @@ def rowwise_adam_step(inputs: StepInputs, plan: StepPlan) -> RowsStep:
     inputs,
     plan,
     coefficients,
-    _option_arrays(inputs, plan, entry_scales),
+    _option_arrays(inputs, plan, entry_scales, entry_steps),
     decay=_DECAY_CODES[config.weight_decay],
     amsgrad=plan.rule.amsgrad,
     per_row=per_row,
