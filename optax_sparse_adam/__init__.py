@@ -12,11 +12,11 @@ from optax_sparse_adam._backends.cpu.huge_pages import HugePageAdvice as HugePag
 from optax_sparse_adam._backends.cpu.huge_pages import advise_huge_pages as advise_huge_pages
 from optax_sparse_adam._backends.cpu.kernels import available as cpu_kernels_available
 from optax_sparse_adam._backends.cpu.kernels import use_cpu_kernels as use_cpu_kernels
-from optax_sparse_adam._core.adam import AdamCoefficients as AdamCoefficients
-from optax_sparse_adam._core.adam import LeafState as LeafState
 from optax_sparse_adam._core.coalesce import coalesce_rows as coalesce_rows
 from optax_sparse_adam._core.lookup import sharded_lookup as sharded_lookup
 from optax_sparse_adam._core.routed import sharded_routing as sharded_routing
+from optax_sparse_adam._core.row_rules.adam import AdamCoefficients as AdamCoefficients
+from optax_sparse_adam._core.row_rules.adam import LeafState as LeafState
 from optax_sparse_adam._optax.apply import apply_updates as apply_updates
 from optax_sparse_adam._optax.catch_up import catch_up_all_rows as catch_up_all_rows
 from optax_sparse_adam._optax.catch_up import catch_up_rows as catch_up_rows

@@ -50,8 +50,12 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from optax_sparse_adam._core.adam import AdamHyperparams, AdamRule, bias_corrected_step_size
 from optax_sparse_adam._core.errors import is_python_number
+from optax_sparse_adam._core.row_rules.adam import (
+  AdamHyperparams,
+  AdamRule,
+  bias_corrected_step_size,
+)
 
 
 class CaughtUp(NamedTuple):

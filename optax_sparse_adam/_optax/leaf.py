@@ -25,9 +25,10 @@ from jax.experimental import sparse
 from jax.sharding import PartitionSpec
 
 from optax_sparse_adam._backends import dispatch
-from optax_sparse_adam._core import adam, auto_partition, bcoo, routed, sharding
-from optax_sparse_adam._core.adam import AdamCoefficients, AdamRule, LeafState
+from optax_sparse_adam._core import auto_partition, bcoo, routed, sharding
 from optax_sparse_adam._core.errors import is_python_number, path_str
+from optax_sparse_adam._core.row_rules import adam
+from optax_sparse_adam._core.row_rules.adam import AdamCoefficients, AdamRule, LeafState
 from optax_sparse_adam._core.rules import (
   RowRule,
   StepConfig,

@@ -11,8 +11,8 @@ import numpy as np
 import optax
 
 from optax_sparse_adam._core import rules
-from optax_sparse_adam._core.adam import LeafState
 from optax_sparse_adam._core.errors import flatten_up_to, leaves_up_to
+from optax_sparse_adam._core.row_rules.adam import LeafState
 
 
 class SparseAdamState(NamedTuple):

@@ -10,8 +10,7 @@ import numpy as np
 import optax
 from jax.experimental import sparse
 
-from optax_sparse_adam._core import adam, bcoo, rounding, rules, sharding
-from optax_sparse_adam._core.adam import AdamRule, LeafState
+from optax_sparse_adam._core import bcoo, rounding, rules, sharding
 from optax_sparse_adam._core.errors import (
   describe,
   flatten_grads,
@@ -20,7 +19,9 @@ from optax_sparse_adam._core.errors import (
 )
 from optax_sparse_adam._core.hyperparams import check_hyperparams, moment_dtype
 from optax_sparse_adam._core.rounding import MomentRounding
-from optax_sparse_adam._core.rowwise_adam import RowwiseAdamRule
+from optax_sparse_adam._core.row_rules import adam
+from optax_sparse_adam._core.row_rules.adam import AdamRule, LeafState
+from optax_sparse_adam._core.row_rules.rowwise_adam import RowwiseAdamRule
 from optax_sparse_adam._optax import catch_up, leaf
 from optax_sparse_adam._optax.state import (
   SparseAdamState,

@@ -20,7 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import sparse
 
-from optax_sparse_adam._core import adam, rules
+from optax_sparse_adam._core import rules
+from optax_sparse_adam._core.row_rules import adam
 from optax_sparse_adam._optax import leaf
 from optax_sparse_adam.torch_compat import _convert
 

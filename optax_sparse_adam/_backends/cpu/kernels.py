@@ -37,10 +37,10 @@ import jax.numpy as jnp
 
 from optax_sparse_adam._backends import choice
 from optax_sparse_adam._core import rounding, sharding
-from optax_sparse_adam._core.adam import AdamRule
 from optax_sparse_adam._core.bcoo import RowLayout
 from optax_sparse_adam._core.errors import is_python_number
-from optax_sparse_adam._core.rowwise_adam import (
+from optax_sparse_adam._core.row_rules.adam import AdamRule
+from optax_sparse_adam._core.row_rules.rowwise_adam import (
   RowwiseAdamRule,
   bias_corrections,
   inverse_row_size,
