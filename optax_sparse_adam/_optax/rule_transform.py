@@ -13,6 +13,7 @@ given to `init`, so `optax.tree.map_params` and `optax.inject_hyperparams` work.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, NamedTuple, get_args
 
 import jax
@@ -49,7 +50,7 @@ class SparseRuleState(NamedTuple):
 
 def check_grad_leaves(
   grads_with_path: list[tuple[Any, Any]],
-  shapes: list[tuple[int, ...] | None],
+  shapes: Sequence[tuple[int, ...] | None],
   params: list[Any],
   what: str = "sparse_adam",
 ) -> None:

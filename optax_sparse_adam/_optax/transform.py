@@ -6,16 +6,13 @@ from typing import Any, NamedTuple, TypeAlias
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from jax.experimental import sparse
 
 from optax_sparse_adam._core import bcoo, rounding, rules, sharding
 from optax_sparse_adam._core.errors import (
-  describe,
   flatten_grads,
   leaves_up_to,
-  path_str,
 )
 from optax_sparse_adam._core.hyperparams import check_hyperparams, moment_dtype
 from optax_sparse_adam._core.rounding import MomentRounding
@@ -23,6 +20,7 @@ from optax_sparse_adam._core.row_rules import adam
 from optax_sparse_adam._core.row_rules.adam import AdamRule, LeafState
 from optax_sparse_adam._core.row_rules.rowwise_adam import RowwiseAdamRule
 from optax_sparse_adam._optax import catch_up, leaf
+from optax_sparse_adam._optax.rule_transform import advance_param_steps, check_grad_leaves
 from optax_sparse_adam._optax.state import (
   SparseAdamState,
   leaf_state_of,
@@ -99,41 +97,6 @@ def _init_state(params: optax.Params, options: SparseAdamOptions) -> SparseAdamS
   )
 
 
-def _check_grads(
-  grads_with_path: list[tuple[Any, Any]], states: list[LeafState], params: list[Any]
-) -> None:
-  """Refuses a dense gradient, a BCOO of the wrong layout, or a param of another shape.
-
-  Runs over every leaf before anything is computed, so a bad leaf fails the
-  whole call and no state changes.
-  """
-  for (path, grad), state, param in zip(grads_with_path, states, params, strict=True):
-    if grad is None:
-      continue
-    if not isinstance(grad, sparse.BCOO):
-      raise TypeError(
-        f"sparse_adam needs BCOO gradients, but the gradient at {path_str(path)} is "
-        f"dense ({describe(grad)}). If it comes from jax.grad through a table lookup "
-        "(table[ids]), differentiate with respect to the gathered rows instead and "
-        "build the BCOO: rows = table[ids]; row_grads = jax.grad(loss_of_rows)(rows); "
-        "grad = jax.experimental.sparse.BCOO((row_grads, ids[:, None]), "
-        "shape=table.shape). With Flax, optax_sparse_adam.sparse_value_and_grad does "
-        "this for osa.SparseEmbed / LinenSparseEmbed tables. If the parameter is not "
-        "an embedding table, give it to optax.adam, or route dense and sparse leaves "
-        "apart with optax.multi_transform({'sparse': sparse_adam(...), "
-        "'dense': optax.adam(...)}, labels). If it is wrapped in optax.MultiSteps, "
-        "which accumulates gradients densely, use optax_sparse_adam.sparse_multi_steps "
-        "instead."
-      )
-    bcoo.row_layout(grad, state.mu.shape, path)
-    if param is not None and tuple(jnp.shape(param)) != tuple(state.mu.shape):
-      raise ValueError(
-        f"Parameter at {path_str(path)} has shape {tuple(jnp.shape(param))} but "
-        f"its optimizer state has shape {tuple(state.mu.shape)}: pass the params "
-        "given to init (or re-init the state after reshaping them)."
-      )
-
-
 def _scale_by_sparse_adam(options: SparseAdamOptions) -> optax.GradientTransformationExtraArgs:
   """The transformation behind `sparse_adam` and `sparse_adamw` (see `sparse_adam`).
 
@@ -173,7 +136,8 @@ def _scale_by_sparse_adam(options: SparseAdamOptions) -> optax.GradientTransform
     indices = param_indices(treedef, paths, state)
     states = leaf_states(treedef, paths, state, indices)
     param_leaves = leaves_up_to(treedef, params, "params", paths)
-    _check_grads(grads_with_path, states, param_leaves)
+    shapes = [None if s.mu is None else tuple(s.mu.shape) for s in states]
+    check_grad_leaves(grads_with_path, shapes, param_leaves)
     last_steps = catch_up.last_step_leaves(treedef, paths, state, options.catch_up_idle_rows)
 
     lr = learning_rate(state.count) if callable(learning_rate) else learning_rate
@@ -217,12 +181,7 @@ def _scale_by_sparse_adam(options: SparseAdamOptions) -> optax.GradientTransform
         return None
       return treedef.unflatten([getattr(s, name) for s in new_states])
 
-    # The parameters stepped now advance by one (saturating, as each leaf's step does).
-    stepped = np.zeros(state.param_steps.shape, bool)
-    for (_, grad), index in zip(grads_with_path, indices, strict=True):
-      if grad is not None and index is not None:
-        stepped[index] = True
-    param_steps = jnp.where(stepped, optax.safe_increment(state.param_steps), state.param_steps)
+    param_steps = advance_param_steps(state.param_steps, grads_with_path, indices)
     new_state = SparseAdamState(
       count=optax.safe_increment(state.count),
       param_steps=param_steps,
