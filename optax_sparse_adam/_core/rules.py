@@ -14,6 +14,7 @@ shares or matches bit for bit):
   delta, s' = rule.update(RowBlock(g, s, t, ...), hyper)  (s' rounded to each
                                                   slot's dtype by `store`)
   delta    -= lr * wd * p[rows] if decoupled weight decay
+  delta     = max_norm * (p + delta) / |p + delta| - p  where |p + delta| > max_norm (if set)
   slot tables[rows] = s'                         (touched rows only)
 
 What is fixed when a step is traced travels apart from what is traced: a

@@ -166,15 +166,13 @@ def sparse_adagrad(
     with one slot, `sum` (torch's `state['sum']`).
 
   Example:
-    >>> import jax.numpy as jnp
-    >>> from jax.experimental import sparse
-    >>> import optax_sparse_adam as osa
-    >>> params = {"table": jnp.zeros((4, 2))}
+    >>> import jax.numpy as jnp, optax_sparse_adam as osa
+    >>> from jax.experimental.sparse import BCOO
     >>> opt = osa.sparse_adagrad(learning_rate=0.1)
-    >>> grad = sparse.BCOO((jnp.full((1, 2), 3.0), jnp.array([[2]])), shape=(4, 2))
-    >>> updates, _ = opt.update({"table": grad}, opt.init(params))
-    >>> osa.apply_updates(params, updates)["table"][2]
-    Array([-0.1, -0.1], dtype=float32)
+    >>> grad = BCOO((jnp.full((1, 2), 3.0), jnp.array([[2]])), shape=(4, 2))
+    >>> updates, state = opt.update({"t": grad}, opt.init({"t": jnp.zeros((4, 2))}))
+    >>> updates["t"].data  # -lr * g / sqrt(g^2) at the first step
+    Array([[-0.1, -0.1]], dtype=float32)
 
   References:
     `torch.optim.Adagrad`,
@@ -241,11 +239,11 @@ def sparse_rowwise_adagrad(
     >>> import jax.numpy as jnp
     >>> from jax.experimental import sparse
     >>> import optax_sparse_adam as osa
-    >>> params = {"table": jnp.zeros((4, 2))}
     >>> opt = osa.sparse_rowwise_adagrad(learning_rate=0.1, eps=0.0)
+    >>> state = opt.init({"table": jnp.zeros((4, 2))})
     >>> grad = sparse.BCOO((jnp.array([[3.0, 4.0]]), jnp.array([[0]])), shape=(4, 2))
-    >>> updates, state = opt.update({"table": grad}, opt.init(params))
-    >>> state.slots["sum"]["table"]
+    >>> state = opt.update({"table": grad}, state)[1]
+    >>> state.slots["sum"]["table"]  # row 0: the mean of 3^2 and 4^2
     Array([12.5,  0. ,  0. ,  0. ], dtype=float32)
 
   References:

@@ -26,6 +26,7 @@ from optax_sparse_adam._core import bcoo, rounding, rules, sharding
 from optax_sparse_adam._core.errors import describe, flatten_grads, leaves_up_to, path_str
 from optax_sparse_adam._core.hyperparams import moment_dtype
 from optax_sparse_adam._optax import leaf
+from optax_sparse_adam._optax.state import check_param_steps
 
 
 class SparseRuleState(NamedTuple):
@@ -100,14 +101,47 @@ def advance_param_steps(
   return jnp.where(stepped, optax.safe_increment(param_steps), param_steps)
 
 
-def _check_param_steps(state: SparseRuleState, num_params: int) -> None:
-  shape = getattr(state.param_steps, "shape", None)
-  if shape is None or tuple(shape) != (num_params,):
-    raise ValueError(
-      f"The optimizer state's param_steps has shape {shape}, but the gradients hold "
-      f"{num_params} parameters: pass the state that this transformation's init made "
-      "for these params."
+def step_leaves(
+  grads_with_path: list[tuple[Any, Any]],
+  tables: list[rules.Tables],
+  steps: list[Any],
+  *,
+  rule: rules.RowRule,
+  config: rules.StepConfig,
+  hyper: Any,
+  opaque_zero: jax.Array | None,
+) -> tuple[list[Any], list[rules.Tables], list[Any]]:
+  """Steps every parameter whose gradient is not None: `(updates, tables, steps)` per leaf.
+
+  A None gradient leaves its parameter's tables and step as they are (update None).
+  """
+  new_updates: list[Any] = []
+  new_tables: list[rules.Tables] = []
+  new_steps: list[Any] = []
+  for (path, grad), leaf_tables, step in zip(grads_with_path, tables, steps, strict=True):
+    if grad is None:
+      new_updates.append(None)
+      new_tables.append(leaf_tables)
+      new_steps.append(step)
+      continue
+    result = leaf.masked_leaf_step(
+      grad,
+      leaf_tables,
+      step,
+      rule=rule,
+      config=config,
+      hyper=hyper,
+      path=path,
+      opaque_zero=opaque_zero,
+      # The update carries the gradient's BCOO metadata, so updates keep the gradients'
+      # tree structure: lax.cond wrappers such as optax.apply_if_finite need both branches
+      # to match.
+      update_flags=(grad.indices_sorted, grad.unique_indices),
     )
+    new_updates.append(result.update)
+    new_tables.append(result.tables)
+    new_steps.append(result.step)
+  return new_updates, new_tables, new_steps
 
 
 def sparse_rule_transformation(
@@ -239,7 +273,12 @@ def sparse_rule_transformation(
     del extra_args
     grads_with_path, treedef = flatten_grads(updates)
     paths = [path for path, _ in grads_with_path]
-    _check_param_steps(state, len(paths))
+    check_param_steps(
+      state.param_steps,
+      len(paths),
+      "the gradients",
+      " Pass the state that this transformation's init made for these params.",
+    )
     if (state.row_step is None) == per_row_steps or set(state.slots) != set(slot_names):
       raise ValueError(
         f"{name}: the optimizer state has slots {sorted(state.slots)} and "
@@ -264,39 +303,28 @@ def sparse_rule_transformation(
       *(value(state.count) if callable(value) else value for value in hyperparams)
     )
     opaque_zero = jnp.minimum(state.count, 0)  # products rounded before adds (adam.rounded)
-    new_updates: list[Any] = []
-    new_slots: dict[str, list[Any]] = {slot_name: [] for slot_name in slot_names}
-    new_row_steps: list[Any] = []
-    for i, ((path, grad), param) in enumerate(zip(grads_with_path, param_leaves, strict=True)):
-      old_slots = {slot_name: slot_leaves[slot_name][i] for slot_name in slot_names}
-      if grad is None:
-        new_updates.append(None)
-        for slot_name in slot_names:
-          new_slots[slot_name].append(old_slots[slot_name])
-        new_row_steps.append(row_steps[i])
-        continue
-      step = leaf.masked_leaf_step(
-        grad,
-        rules.Tables(old_slots, row_steps[i], param),
-        state.param_steps[i],
-        rule=rule,
-        config=config,
-        hyper=hyper,
-        path=path,
-        opaque_zero=opaque_zero,
-        update_flags=(grad.indices_sorted, grad.unique_indices),
-      )
-      new_updates.append(step.update)
-      for slot_name in slot_names:
-        new_slots[slot_name].append(step.tables.slots[slot_name])
-      new_row_steps.append(step.tables.row_step)
+    tables = [
+      rules.Tables({n: slot_leaves[n][i] for n in slot_names}, row_steps[i], param)
+      for i, param in enumerate(param_leaves)
+    ]
+    new_updates, new_tables, _ = step_leaves(
+      grads_with_path,
+      tables,
+      [state.param_steps[i] for i in range(len(paths))],
+      rule=rule,
+      config=config,
+      hyper=hyper,
+      opaque_zero=opaque_zero,
+    )
 
     indices: list[int | None] = list(range(len(paths)))
     new_state = SparseRuleState(
       count=optax.safe_increment(state.count),
       param_steps=advance_param_steps(state.param_steps, grads_with_path, indices),
-      slots={slot_name: treedef.unflatten(new_slots[slot_name]) for slot_name in slot_names},
-      row_step=None if state.row_step is None else treedef.unflatten(new_row_steps),
+      slots={n: treedef.unflatten([t.slots[n] for t in new_tables]) for n in slot_names},
+      row_step=(
+        None if state.row_step is None else treedef.unflatten([t.row_step for t in new_tables])
+      ),
     )
     return treedef.unflatten(new_updates), new_state
 

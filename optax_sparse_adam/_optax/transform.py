@@ -7,7 +7,6 @@ from typing import Any, NamedTuple, TypeAlias
 import jax
 import jax.numpy as jnp
 import optax
-from jax.experimental import sparse
 
 from optax_sparse_adam._core import bcoo, rounding, rules, sharding
 from optax_sparse_adam._core.errors import (
@@ -17,10 +16,14 @@ from optax_sparse_adam._core.errors import (
 from optax_sparse_adam._core.hyperparams import check_hyperparams, moment_dtype
 from optax_sparse_adam._core.rounding import MomentRounding
 from optax_sparse_adam._core.row_rules import adam
-from optax_sparse_adam._core.row_rules.adam import AdamRule, LeafState
+from optax_sparse_adam._core.row_rules.adam import AdamRule
 from optax_sparse_adam._core.row_rules.rowwise_adam import RowwiseAdamRule
 from optax_sparse_adam._optax import catch_up, leaf
-from optax_sparse_adam._optax.rule_transform import advance_param_steps, check_grad_leaves
+from optax_sparse_adam._optax.rule_transform import (
+  advance_param_steps,
+  check_grad_leaves,
+  step_leaves,
+)
 from optax_sparse_adam._optax.state import (
   SparseAdamState,
   leaf_state_of,
@@ -145,36 +148,31 @@ def _scale_by_sparse_adam(options: SparseAdamOptions) -> optax.GradientTransform
     # adding it, as torch does, instead of XLA contracting the pair into an FMA.
     opaque_zero = jnp.minimum(state.count, 0)
     hyper = adam.hyperparams_of(adam.adam_coefficients(lr, b1, b2, eps, weight_decay))
-    new_updates: list[sparse.BCOO | None] = []
-    new_states: list[LeafState] = []
-    new_last_steps: list[jax.Array | None] = []
-    for (path, grad), leaf_state, param, last_step in zip(
-      grads_with_path, states, param_leaves, last_steps, strict=True
-    ):
-      if grad is None:
-        new_updates.append(None)
-        new_states.append(leaf_state)
-        new_last_steps.append(last_step)
-        continue
-      slots = {slot.name: getattr(leaf_state, slot.name) for slot in rule.slots()}
-      step = leaf.masked_leaf_step(
-        grad,
-        rules.Tables(slots, leaf_state.row_step, param, last_step),
-        leaf_state.step,
-        rule=rule,
-        config=config,
-        hyper=hyper,
-        path=path,
-        opaque_zero=opaque_zero,
-        # The update carries the gradient's BCOO metadata, so updates keep the
-        # gradients' tree structure: lax.cond wrappers such as
-        # optax.apply_if_finite need both branches to match.
-        update_flags=(grad.indices_sorted, grad.unique_indices),
+    tables = [
+      rules.Tables(
+        {slot.name: getattr(leaf_state, slot.name) for slot in rule.slots()},
+        leaf_state.row_step,
+        param,
+        last_step,
       )
-      assert step.step is not None  # given a step, it returns one
-      new_updates.append(step.update)
-      new_states.append(leaf_state_of(step.step, step.tables))
-      new_last_steps.append(step.tables.last_step)
+      for leaf_state, param, last_step in zip(states, param_leaves, last_steps, strict=True)
+    ]
+    new_updates, new_tables, new_steps = step_leaves(
+      grads_with_path,
+      tables,
+      [leaf_state.step for leaf_state in states],
+      rule=rule,
+      config=config,
+      hyper=hyper,
+      opaque_zero=opaque_zero,
+    )
+    new_states = [
+      leaf_state if grad is None else leaf_state_of(step, new)
+      for (_, grad), leaf_state, step, new in zip(
+        grads_with_path, states, new_steps, new_tables, strict=True
+      )
+    ]
+    new_last_steps = [t.last_step for t in new_tables]
 
     def field(name: str, old: Any) -> Any:
       if old is None:

@@ -84,11 +84,11 @@ class Adagrad(RuleOptimizer):
 
   Example:
     >>> import jax.numpy as jnp
-    >>> from jax.experimental import sparse
-    >>> from optax_sparse_adam.torch_compat import Adagrad, Parameter
-    >>> table = Parameter(jnp.zeros((4, 2)))
-    >>> opt = Adagrad([table], lr=0.1)
-    >>> table.grad = sparse.BCOO((jnp.full((1, 2), 3.0), jnp.array([[2]])), shape=(4, 2))
+    >>> from jax.experimental.sparse import BCOO
+    >>> from optax_sparse_adam import torch_compat as tc
+    >>> opt = tc.Adagrad([tc.Parameter(jnp.zeros((4, 2)))], lr=0.1)
+    >>> (table,) = opt.param_groups[0]["params"]
+    >>> table.grad = BCOO((jnp.full((1, 2), 3.0), jnp.array([[2]])), shape=(4, 2))
     >>> opt.step()
     >>> table.data[2], opt.state[table]["step"]
     (Array([-0.1, -0.1], dtype=float32), 1.0)
@@ -104,9 +104,9 @@ class Adagrad(RuleOptimizer):
     self,
     params: Any,
     lr: Any = 1e-2,
-    lr_decay: float = 0.0,
-    weight_decay: float = 0.0,
-    initial_accumulator_value: float = 0.0,
+    lr_decay: float = 0,
+    weight_decay: float = 0,
+    initial_accumulator_value: float = 0,
     eps: float = 1e-10,
     foreach: bool | None = None,
     *,
@@ -125,15 +125,6 @@ class Adagrad(RuleOptimizer):
       raise ValueError(f"Invalid initial_accumulator_value value: {initial_accumulator_value}")
     if not 0.0 <= eps:
       raise ValueError(f"Invalid epsilon value: {eps}")
-    defaults = {
-      "lr": lr,
-      "lr_decay": lr_decay,
-      "eps": eps,
-      "weight_decay": weight_decay,
-      "initial_accumulator_value": initial_accumulator_value,
-      "foreach": foreach,
-      "maximize": maximize,
-      "differentiable": differentiable,
-      "fused": fused,
-    }
+    # torch's param-group defaults: every argument but the params, by its name.
+    defaults = {k: v for k, v in locals().items() if k not in ("self", "params", "__class__")}
     super().__init__(params, defaults)

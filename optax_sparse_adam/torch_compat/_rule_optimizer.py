@@ -16,14 +16,19 @@ from typing import Any, NamedTuple
 
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental import sparse
 
 from optax_sparse_adam._core import rules
 from optax_sparse_adam.torch_compat import _step
 from optax_sparse_adam.torch_compat._hooks import with_step_hooks
 from optax_sparse_adam.torch_compat._optimizer import Optimizer, iter_params
 from optax_sparse_adam.torch_compat._parameter import Parameter
-from optax_sparse_adam.torch_compat._sparse_adam import _as_moment, _as_step, _check_layout
+from optax_sparse_adam.torch_compat._sparse_adam import (
+  _as_moment,
+  _as_step,
+  copy_shared_buffers,
+  grads_to_step,
+  loaded_state,
+)
 
 _OPAQUE_ZERO = np.zeros((), np.int32)
 
@@ -80,20 +85,9 @@ class RuleOptimizer(Optimizer):
   def _load_param_state(self, param: Parameter, value: Any, where: str) -> dict[str, Any]:
     table = self.TABLE
     keys = ([table.step_key] if table.step_key else []) + list(table.slots)
-    if not isinstance(value, dict):
-      raise ValueError(
-        f"loaded state dict has a {type(value).__name__} as the state of {where}; "
-        f"expected a dict with keys {keys}"
-      )
-    if not value:
+    state = loaded_state(value, keys, table.torch_name, where)
+    if not state:
       return {}
-    missing = [key for key in keys if key not in value]
-    if missing:
-      raise ValueError(
-        f"loaded state dict is missing {missing} in the state of {where}; "
-        f"{table.torch_name} keeps {keys} per parameter"
-      )
-    state = dict(value)  # other keys are kept as they are, as torch keeps them
     if table.step_key is not None:
       state[table.step_key] = table.step_type(_as_step(value[table.step_key], where))
     for key in table.slots:
@@ -115,32 +109,21 @@ class RuleOptimizer(Optimizer):
     """
     loss = None if closure is None else closure()
     table = self.TABLE
-    todo = []
-    for gi, group in enumerate(self.param_groups):
-      where = f"param_groups[{gi}]"
-      checked = False
-      for pi, p in enumerate(group["params"]):
-        if p.grad is None:
-          continue
-        path = (f"{where}['params'][{pi}]",)
-        if not isinstance(p.grad, sparse.BCOO):
-          shape = getattr(p.grad, "shape", None)
-          raise RuntimeError(
-            f"this {table.torch_name} takes sparse (BCOO) gradients only: {path[0]} has a "
-            f"dense gradient of type {type(p.grad).__name__}"
-            f"{'' if shape is None else f' with shape {tuple(shape)}'}; give dense "
-            f"parameters to torch.optim.{table.torch_name} or an optax optimizer"
-          )
-        _check_layout(p.grad, p.shape, path)
-        if not checked:
-          table.check_group(group, where)
-          checked = True
-        todo.append((p, group))
+    dense = (
+      f"this {table.torch_name} takes sparse (BCOO) gradients only ({{}}); give dense "
+      f"parameters to torch.optim.{table.torch_name} or an optax optimizer"
+    )
+
+    def checked_group(group: dict[str, Any], where: str) -> dict[str, Any]:
+      table.check_group(group, where)
+      return group
+
+    todo = grads_to_step(self.param_groups, dense.format, checked_group)
     if not todo:
       return loss
 
     params, slots, grads, hypers, plans, steps = [], [], [], [], [], []
-    for p, group in todo:
+    for p, _, group in todo:
       state = self.state.get(p) or self._fresh_state(p, group)
       step = (state[table.step_key] if table.step_key else 0) + 1
       params.append(p.data)
@@ -149,16 +132,13 @@ class RuleOptimizer(Optimizer):
       hypers.append(table.hyper(group, int(step), _step.compute_dtype(p, p.grad)))
       plans.append(table.plan(group))
       steps.append(step)
-    # Parameters built from one array share its buffer, which cannot be donated twice.
-    donated: set[int] = set()
-    for i, array in enumerate(params):
-      if id(array) in donated:
-        params[i] = jnp.copy(array)
-      donated.add(id(params[i]))
+    copy_shared_buffers(params)
     new_params, new_slots = _step.fused_rule_step(
       params, slots, grads, hypers, _OPAQUE_ZERO, plans=tuple(plans)
     )
-    for (p, group), data, slot_tables, step in zip(todo, new_params, new_slots, steps, strict=True):
+    for (p, _, group), data, slot_tables, step in zip(
+      todo, new_params, new_slots, steps, strict=True
+    ):
       p.data = data
       state = self.state.get(p) or self._fresh_state(p, group)
       if table.step_key is not None:

@@ -81,12 +81,11 @@ class SGD(RuleOptimizer):
 
   Example:
     >>> import jax.numpy as jnp
-    >>> from jax.experimental import sparse
-    >>> from optax_sparse_adam.torch_compat import SGD, Parameter
-    >>> table = Parameter(jnp.ones((4, 2)))
-    >>> opt = SGD([table], lr=0.5)
-    >>> table.grad = sparse.BCOO((jnp.ones((1, 2)), jnp.array([[2]])), shape=(4, 2))
-    >>> opt.step()
+    >>> import optax_sparse_adam.torch_compat as tc
+    >>> from jax.experimental.sparse import BCOO
+    >>> table = tc.Parameter(jnp.ones((4, 2)))
+    >>> table.grad = BCOO((jnp.ones((2, 2)), jnp.array([[2], [2]])), shape=(4, 2))  # id 2 twice
+    >>> tc.SGD([table], lr=0.25).step()
     >>> table.data[2]
     Array([0.5, 0.5], dtype=float32)
 
@@ -100,9 +99,9 @@ class SGD(RuleOptimizer):
     self,
     params: Any,
     lr: Any = 1e-3,
-    momentum: float = 0.0,
-    dampening: float = 0.0,
-    weight_decay: float = 0.0,
+    momentum: float = 0,
+    dampening: float = 0,
+    weight_decay: float = 0,
     nesterov: bool = False,
     *,
     maximize: bool = False,
@@ -119,15 +118,6 @@ class SGD(RuleOptimizer):
       raise ValueError(f"Invalid weight_decay value: {weight_decay}")
     if nesterov and (momentum <= 0 or dampening != 0):
       raise ValueError("Nesterov momentum requires a momentum and zero dampening")
-    defaults = {
-      "lr": lr,
-      "momentum": momentum,
-      "dampening": dampening,
-      "weight_decay": weight_decay,
-      "nesterov": nesterov,
-      "maximize": maximize,
-      "foreach": foreach,
-      "differentiable": differentiable,
-      "fused": fused,
-    }
+    # torch's param-group defaults: every argument but the params, by its name.
+    defaults = {k: v for k, v in locals().items() if k not in ("self", "params", "__class__")}
     super().__init__(params, defaults)
