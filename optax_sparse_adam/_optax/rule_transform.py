@@ -49,6 +49,9 @@ class SparseRuleState(NamedTuple):
   row_step: optax.Updates | None = None
 
 
+_DENSE_TWIN = {"sparse_sgd": "optax.sgd", "sparse_adagrad": "optax.adagrad"}
+
+
 def check_grad_leaves(
   grads_with_path: list[tuple[Any, Any]],
   shapes: Sequence[tuple[int, ...] | None],
@@ -61,6 +64,8 @@ def check_grad_leaves(
   gradient only). Runs over every leaf before anything is computed, so a bad
   leaf fails the whole call and no state changes.
   """
+  # The dense optimizer that matches, where optax has one.
+  dense = _DENSE_TWIN.get(what, "optax.adam")
   for (path, grad), shape, param in zip(grads_with_path, shapes, params, strict=True):
     if grad is None:
       continue
@@ -73,9 +78,9 @@ def check_grad_leaves(
         "grad = jax.experimental.sparse.BCOO((row_grads, ids[:, None]), "
         "shape=table.shape). With Flax, optax_sparse_adam.sparse_value_and_grad does "
         "this for osa.SparseEmbed / LinenSparseEmbed tables. If the parameter is not "
-        "an embedding table, give it to a dense optax optimizer, or route dense and sparse "
-        f"leaves apart with optax.multi_transform({{'sparse': {what}(...), "
-        "'dense': optax.adam(...)}, labels). If it is wrapped in optax.MultiSteps, "
+        f"an embedding table, give it to {dense}, or route dense and sparse leaves "
+        f"apart with optax.multi_transform({{'sparse': {what}(...), "
+        f"'dense': {dense}(...)}}, labels). If it is wrapped in optax.MultiSteps, "
         "which accumulates gradients densely, use optax_sparse_adam.sparse_multi_steps "
         "instead."
       )
@@ -144,6 +149,23 @@ def step_leaves(
   return new_updates, new_tables, new_steps
 
 
+def check_max_norm(
+  max_norm: Any, catch_up_idle_rows: bool = False, *, name: str = "sparse_adam"
+) -> float | None:
+  """`max_norm` as a float, or None; refused unless a positive number (and without catch-up)."""
+  if max_norm is None:
+    return None
+  if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not max_norm > 0:
+    raise ValueError(f"{name}: max_norm must be a positive float or None, got {max_norm!r}")
+  if catch_up_idle_rows:
+    raise ValueError(
+      f"{name}: max_norm does not compose with catch_up_idle_rows=True: the catch-up of "
+      "rows that are not stepped (catch_up_rows, catch_up_all_rows) does not renormalise. "
+      "Pass one of them."
+    )
+  return float(max_norm)
+
+
 def sparse_rule_transformation(
   rule: rules.RowRule,
   hyperparams: NamedTuple,
@@ -210,8 +232,7 @@ def sparse_rule_transformation(
       f"{name}: unknown weight_decay_mode {weight_decay_mode!r}; expected one of "
       f"{list(get_args(rules.WeightDecay))}"
     )
-  if max_norm is not None and not (isinstance(max_norm, (int, float)) and max_norm > 0):
-    raise ValueError(f"{name}: max_norm must be a positive float or None, got {max_norm!r}")
+  max_norm = check_max_norm(max_norm, name=name)
   for field in ("learning_rate", "weight_decay"):
     if field not in getattr(hyperparams, "_fields", ()):
       raise TypeError(
@@ -238,7 +259,7 @@ def sparse_rule_transformation(
     maximize=maximize,
     weight_decay=mode,  # type: ignore[arg-type]
     moment_rounding=moment_rounding,
-    max_norm=None if max_norm is None else float(max_norm),
+    max_norm=max_norm,
   )
 
   def init_fn(params: optax.Params) -> SparseRuleState:

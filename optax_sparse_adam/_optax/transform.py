@@ -22,6 +22,7 @@ from optax_sparse_adam._optax import catch_up, leaf
 from optax_sparse_adam._optax.rule_transform import (
   advance_param_steps,
   check_grad_leaves,
+  check_max_norm,
   step_leaves,
 )
 from optax_sparse_adam._optax.state import (
@@ -51,6 +52,7 @@ class SparseAdamOptions(NamedTuple):
   rowwise_second_moment: bool = False
   moment_rounding: MomentRounding = "nearest"
   catch_up_idle_rows: bool = False
+  max_norm: float | None = None
 
   @property
   def rule(self) -> AdamRule | RowwiseAdamRule:
@@ -122,6 +124,7 @@ def _scale_by_sparse_adam(options: SparseAdamOptions) -> optax.GradientTransform
     maximize=options.maximize,
     weight_decay=leaf.weight_decay_mode(weight_decay, decoupled=options.decoupled_weight_decay),
     moment_rounding=options.moment_rounding,
+    max_norm=check_max_norm(options.max_norm, options.catch_up_idle_rows),
   )
 
   def init_fn(params: optax.Params) -> SparseAdamState:
@@ -212,6 +215,7 @@ def sparse_adam(
   rowwise_second_moment: bool = False,
   moment_rounding: MomentRounding = "nearest",
   catch_up_idle_rows: bool = False,
+  max_norm: float | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   r"""Masked Adam for BCOO gradients, with the numerics of `torch.optim.SparseAdam`.
 
@@ -277,6 +281,10 @@ def sparse_adam(
       :math:`m` over them (docs/catch_up.md: where exact, the bound elsewhere);
       `catch_up_all_rows` does all rows. One int32 of state per row; needs
       `weight_decay=0` (use `sparse_adamw`), no `per_row_bias_correction`.
+    max_norm: after the step, scale each touched row whose L2 norm exceeds it
+      back to it (FBGEMM's per-row `max_norm`, here for Adam and the row-wise
+      Adam); None (the default): off. Needs `params` in `update`; not with
+      `catch_up_idle_rows`. Runs the XLA ops on the CPU (no fused kernel).
 
   Returns:
     An `optax.GradientTransformationExtraArgs` whose state is a `SparseAdamState`;
@@ -320,6 +328,7 @@ def sparse_adamw(
   rowwise_second_moment: bool = False,
   moment_rounding: MomentRounding = "nearest",
   catch_up_idle_rows: bool = False,
+  max_norm: float | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   r"""`sparse_adam` with decoupled weight decay, applied to the touched rows only.
 
@@ -349,6 +358,7 @@ def sparse_adamw(
     catch_up_idle_rows: take dense AdamW's steps for the rows the gradients
       skip (see `sparse_adam`), the decoupled decay included:
       :math:`(1 - \alpha\lambda)^k` over :math:`k` idle steps.
+    max_norm: per-row renormalisation after the step (see `sparse_adam`).
 
   Returns:
     As `sparse_adam`: an `optax.GradientTransformationExtraArgs` (extra keyword
