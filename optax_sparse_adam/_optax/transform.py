@@ -179,7 +179,10 @@ def _scale_by_sparse_adam(options: SparseAdamOptions) -> optax.GradientTransform
     # A zero the compiler cannot see through: the math rounds each product before
     # adding it, as torch does, instead of XLA contracting the pair into an FMA.
     opaque_zero = jnp.minimum(state.count, 0)
-    hyper = adam.hyperparams_of(adam.adam_coefficients(lr, b1, b2, eps, weight_decay))
+    hyper = adam.hyperparams_of(
+      adam.adam_coefficients(lr, b1, b2, eps, weight_decay),
+      window_learning_rate=catch_up.window_learning_rate(options, state.count),
+    )
     new_updates: list[sparse.BCOO | None] = []
     new_states: list[LeafState] = []
     new_last_steps: list[jax.Array | None] = []
