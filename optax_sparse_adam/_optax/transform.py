@@ -150,7 +150,10 @@ def _scale_by_sparse_adam(options: SparseAdamOptions) -> optax.GradientTransform
     # A zero the compiler cannot see through: the math rounds each product before
     # adding it, as torch does, instead of XLA contracting the pair into an FMA.
     opaque_zero = jnp.minimum(state.count, 0)
-    hyper = adam.hyperparams_of(adam.adam_coefficients(lr, b1, b2, eps, weight_decay))
+    hyper = adam.hyperparams_of(
+      adam.adam_coefficients(lr, b1, b2, eps, weight_decay),
+      window_learning_rate=catch_up.window_learning_rate(options, state.count),
+    )
     tables = [
       rules.Tables(
         {slot.name: getattr(leaf_state, slot.name) for slot in rule.slots()},

@@ -25,8 +25,9 @@ def _check_dense_real_params(groups: list[dict[str, Any]], first_index: int = 0)
   """torch's SparseAdam checks, wording and order: sparse params, then complex ones."""
   sparse_params, complex_params = [], []
   for gi, pi, p in iter_params(groups):
-    if isinstance(p, sparse.BCOO):
+    if _convert.is_sparse_param(p):
       sparse_params.append([gi + first_index, pi])
+      continue
     if np.issubdtype(np.dtype(p.dtype), np.complexfloating):
       complex_params.append([gi + first_index, pi])
   if sparse_params:
