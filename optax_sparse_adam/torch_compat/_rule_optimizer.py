@@ -16,6 +16,7 @@ from typing import Any, NamedTuple
 
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import sparse
 
 from optax_sparse_adam._core import rules
 from optax_sparse_adam.torch_compat import _step
@@ -69,6 +70,16 @@ class RuleOptimizer(Optimizer):
     if self.TABLE.eager_state:
       for _, _, p in iter_params(self.param_groups):
         self.state[p] = self._fresh_state(p, self._group_of(p))
+
+  def _check_param_group(self, param_group: dict[str, Any], index: int) -> None:
+    sparse_params = [
+      [index, i] for i, p in enumerate(param_group["params"]) if isinstance(p, sparse.BCOO)
+    ]
+    if sparse_params:
+      raise ValueError(
+        f"Sparse params at indices {sparse_params}: this {self.TABLE.torch_name} steps dense "
+        "parameters (optax_sparse_adam.torch_compat.Parameter) with sparse gradients"
+      )
 
   def _group_of(self, param: Parameter) -> dict[str, Any]:
     return next(g for g in self.param_groups if any(q is param for q in g["params"]))

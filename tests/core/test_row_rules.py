@@ -227,14 +227,21 @@ def _fbgemm_rowwise_adagrad(batches, lr, eps, wd, mode, max_norm):
 
 
 @pytest.mark.parametrize(
-  "mode,wd,max_norm", [("none", 0.0, None), ("l2", 0.3, None), ("decoupled", 0.3, 1.2)]
+  "mode,wd,max_norm,forced",
+  [
+    ("none", 0.0, None, None),
+    ("l2", 0.3, None, None),
+    ("decoupled", 0.3, 1.2, None),
+    ("decoupled", 0.3, 1.2, choice.ACCELERATOR),  # the GPU/TPU step, forced on the CPU
+  ],
 )
-def test_rowwise_adagrad_is_fbgemms_formula(mode, wd, max_norm):
+def test_rowwise_adagrad_is_fbgemms_formula(mode, wd, max_norm, forced):
   batches = BATCHES * 5  # 30 steps, duplicates in every batch
   opt = osa.sparse_rowwise_adagrad(
     0.05, eps=1e-6, weight_decay=wd, weight_decay_mode=mode, max_norm=max_norm
   )
-  params, state = _train(opt, batches)
+  with choice.choose(forced=forced):
+    params, state = _train(opt, batches)
   w, momentum1 = _fbgemm_rowwise_adagrad(batches, 0.05, 1e-6, wd, mode, max_norm)
   np.testing.assert_allclose(np.asarray(params["t"]), w, rtol=2e-5, atol=2e-6)
   np.testing.assert_allclose(np.asarray(state.slots["sum"]["t"]), momentum1, rtol=2e-5)

@@ -163,3 +163,10 @@ def test_a_dense_gradient_is_refused_with_the_parameter_named():
   with pytest.raises(RuntimeError, match=r"param_groups\[0\]\['params'\]\[0\] has a dense"):
     opt.step()
   assert opt.state[ours]["step"] == 0
+
+
+@pytest.mark.parametrize("name", ["SGD", "Adagrad"])
+def test_a_sparse_parameter_is_refused_with_its_index(name):
+  table = sparse.BCOO((jnp.ones((1, DIM)), jnp.array([[1]])), shape=(ROWS, DIM))
+  with pytest.raises(ValueError, match=r"Sparse params at indices \[\[0, 1\]\]"):
+    getattr(tc, name)([tc.Parameter(jnp.zeros((ROWS, DIM))), table])
