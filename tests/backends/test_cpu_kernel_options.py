@@ -21,8 +21,8 @@ from jax.experimental import sparse
 
 import optax_sparse_adam as osa
 from optax_sparse_adam._backends.cpu import kernels
-from optax_sparse_adam._core.adam import AdamRule, adam_coefficients, hyperparams_of
 from optax_sparse_adam._core.bcoo import RowLayout
+from optax_sparse_adam._core.row_rules.adam import AdamRule, adam_coefficients, hyperparams_of
 from optax_sparse_adam._core.rules import StepConfig, StepInputs, StepPlan, Tables
 from tests._helpers import cpu_only
 

@@ -40,9 +40,9 @@ import jax.numpy as jnp
 from optax_sparse_adam._backends import choice
 from optax_sparse_adam._backends.cpu import moment_steps
 from optax_sparse_adam._core import sharding
-from optax_sparse_adam._core.adam import AdamRule
 from optax_sparse_adam._core.bcoo import RowLayout
-from optax_sparse_adam._core.rowwise_adam import (
+from optax_sparse_adam._core.row_rules.adam import AdamRule
+from optax_sparse_adam._core.row_rules.rowwise_adam import (
   RowwiseAdamRule,
 )
 from optax_sparse_adam._core.rules import RowsStep, StepInputs, StepPlan
