@@ -822,8 +822,10 @@ OSA_MULTIVERSIONED_TEMPLATE void RowwiseAdamRow(
   for (int64_t j = 0; j < row_size; ++j) {
     const float mj = ToFloat(m[j]);
     const float m_new = StoreMoment<kStochastic>(&m[j], mj + (g[j] - mj) * one_minus_b1, m_key, j);
-    // Where both are NaN, XLA's product keeps the moment's (GCC would pick either).
-    float delta = m_new != m_new ? m_new : neg_rate * m_new;
+    // Where both are NaN, XLA's product keeps the moment's (GCC would pick either);
+    // chosen by a bit mask, so that the loop stays vectorized.
+    const uint32_t m_nan = 0u - static_cast<uint32_t>(m_new != m_new);
+    float delta = WithBits((Bits(m_new) & m_nan) | (Bits(neg_rate * m_new) & ~m_nan));
     if constexpr (kDecay == kDecoupled) delta = delta - decay * p[j];
     g[j] = delta;
   }
