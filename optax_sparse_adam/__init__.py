@@ -16,6 +16,10 @@ from optax_sparse_adam._core.adam import AdamCoefficients as AdamCoefficients
 from optax_sparse_adam._core.adam import LeafState as LeafState
 from optax_sparse_adam._core.coalesce import coalesce_rows as coalesce_rows
 from optax_sparse_adam._core.lookup import sharded_lookup as sharded_lookup
+from optax_sparse_adam._core.overflow import RoutingStats as RoutingStats
+from optax_sparse_adam._core.overflow import routing_stats as routing_stats
+from optax_sparse_adam._core.placement import from_cyclic_rows as from_cyclic_rows
+from optax_sparse_adam._core.placement import to_cyclic_rows as to_cyclic_rows
 from optax_sparse_adam._core.routed import sharded_routing as sharded_routing
 from optax_sparse_adam._optax.apply import apply_updates as apply_updates
 from optax_sparse_adam._optax.catch_up import catch_up_all_rows as catch_up_all_rows
@@ -38,6 +42,7 @@ __all__ = (
   "HugePageAdvice",
   "LeafState",
   "RowBuffer",
+  "RoutingStats",
   "SparseAdamState",
   "SparseMultiStepsState",
   "advise_huge_pages",
@@ -46,8 +51,10 @@ __all__ = (
   "catch_up_rows",
   "check_sparse_grads",
   "coalesce_rows",
+  "from_cyclic_rows",
   "cpu_kernels_available",
   "lift_to_bcoo",
+  "routing_stats",
   "sharded_lookup",
   "sharded_routing",
   "sparse_adam",
@@ -56,6 +63,7 @@ __all__ = (
   "sparse_apply_if_finite",
   "sparse_grad_checks",
   "sparse_multi_steps",
+  "to_cyclic_rows",
   "use_cpu_kernels",
 )
 
