@@ -467,7 +467,8 @@ def skew_worker(args):
         jitted, table, state = setup[:3]
         osa.routing_stats(reset=True)
         start = time.perf_counter()
-        table, state = jitted(table, state, *batches[round_index % len(batches)])
+        with osa.sharded_routing(row_placement=placement):  # the switch is in the cache key
+          table, state = jitted(table, state, *batches[round_index % len(batches)])
         jax.block_until_ready(table)
         elapsed = time.perf_counter() - start
         stats = osa.routing_stats(reset=True)

@@ -79,7 +79,7 @@ def routing_stats(*, reset: bool = False) -> RoutingStats:
 
   Counted on the host when each step runs (a `jax.debug.callback`, so the
   counts include only steps that have finished: this waits for pending ones),
-  in this process (with several processes, process 0 counts every step once).
+  in this process (with several processes each keeps its own counts; not tested there).
 
   Args:
     reset: set the counts back to zero after reading them.

@@ -150,6 +150,8 @@ def sharded_routing(
       gradients and updates stay logical. A frequency-sorted vocabulary then
       spreads its hot rows over every device and skewed ids stay routed
       (docs/sharding.md). A row-split table that cannot be routed is refused.
+      Trace every step of a cyclic table inside the block: traced outside, it
+      is stepped as blocks.
 
   Returns:
     A context manager.

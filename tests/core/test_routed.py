@@ -540,6 +540,24 @@ def test_catch_up_rows_of_a_cyclic_table_catches_up_the_logical_rows(checks):
   assert checks["cyclic"]["catch_up_rows_diff"] <= F32_ATOL
 
 
+def test_a_cyclic_table_saved_in_logical_order_reshards_from_8_to_4_devices(checks):
+  """`from_cyclic_rows` on 8 devices, `to_cyclic_rows(x, 4)` on 4: the routed lookup of
+  every row reads the table exactly."""
+  assert checks["cyclic"]["resharded_diff"] == 0.0
+  assert checks["cyclic"]["resharded_spec"] == "P('x', None)"
+
+
+def test_a_flax_nnx_cyclic_table_trains_as_one_device(checks):
+  """`SparseEmbed` (2 ids per example, padding), `sparse_value_and_grad`, `SparseOptimizer`
+  with the table converted to cyclic order: routed lookup, step and apply, one device's
+  numbers in logical order."""
+  result = checks["flax_nnx_cyclic"]
+  if result is None:
+    pytest.skip("flax is not installed")
+  assert result["routed"] == ["apply", "lookup", "step"]
+  assert result["max_abs_diff"] <= F32_ATOL
+
+
 def test_cyclic_converters_on_one_device():
   x = jnp.arange(12).reshape(6, 2)
   np.testing.assert_array_equal(osa.to_cyclic_rows(x, 3), np.asarray(x)[[0, 3, 1, 4, 2, 5]])
