@@ -276,9 +276,7 @@ def lookups():
 
 CYCLIC_CASES = [
   ("all_options", "zipf", "explicit"),
-  ("plain", "zipf", "auto"),
   ("all_options", "zipf", "auto_default"),
-  ("bf16", "cross_device_duplicates", "explicit"),
   ("plain", "one_owner", "explicit"),
 ]
 
