@@ -12,8 +12,6 @@ from optax_sparse_adam._backends.cpu.huge_pages import HugePageAdvice as HugePag
 from optax_sparse_adam._backends.cpu.huge_pages import advise_huge_pages as advise_huge_pages
 from optax_sparse_adam._backends.cpu.kernels import available as cpu_kernels_available
 from optax_sparse_adam._backends.cpu.kernels import use_cpu_kernels as use_cpu_kernels
-from optax_sparse_adam._core.adam import AdamCoefficients as AdamCoefficients
-from optax_sparse_adam._core.adam import LeafState as LeafState
 from optax_sparse_adam._core.coalesce import coalesce_rows as coalesce_rows
 from optax_sparse_adam._core.lookup import sharded_lookup as sharded_lookup
 from optax_sparse_adam._core.overflow import RoutingStats as RoutingStats
@@ -21,6 +19,21 @@ from optax_sparse_adam._core.overflow import routing_stats as routing_stats
 from optax_sparse_adam._core.placement import from_cyclic_rows as from_cyclic_rows
 from optax_sparse_adam._core.placement import to_cyclic_rows as to_cyclic_rows
 from optax_sparse_adam._core.routed import sharded_routing as sharded_routing
+from optax_sparse_adam._core.row_rules.adagrad import AdagradHyperparams as AdagradHyperparams
+from optax_sparse_adam._core.row_rules.adagrad import AdagradRule as AdagradRule
+from optax_sparse_adam._core.row_rules.adam import AdamCoefficients as AdamCoefficients
+from optax_sparse_adam._core.row_rules.adam import LeafState as LeafState
+from optax_sparse_adam._core.row_rules.rowwise_adagrad import (
+  RowwiseAdagradHyperparams as RowwiseAdagradHyperparams,
+)
+from optax_sparse_adam._core.row_rules.rowwise_adagrad import (
+  RowwiseAdagradRule as RowwiseAdagradRule,
+)
+from optax_sparse_adam._core.row_rules.sgd import SGDHyperparams as SGDHyperparams
+from optax_sparse_adam._core.row_rules.sgd import SGDRule as SGDRule
+from optax_sparse_adam._core.rules import RowBlock as RowBlock
+from optax_sparse_adam._core.rules import RowRule as RowRule
+from optax_sparse_adam._core.rules import Slot as Slot
 from optax_sparse_adam._optax.apply import apply_updates as apply_updates
 from optax_sparse_adam._optax.catch_up import catch_up_all_rows as catch_up_all_rows
 from optax_sparse_adam._optax.catch_up import catch_up_rows as catch_up_rows
@@ -32,19 +45,36 @@ from optax_sparse_adam._optax.leaf import sparse_adam_leaf_step as sparse_adam_l
 from optax_sparse_adam._optax.multi_steps import RowBuffer as RowBuffer
 from optax_sparse_adam._optax.multi_steps import SparseMultiStepsState as SparseMultiStepsState
 from optax_sparse_adam._optax.multi_steps import sparse_multi_steps as sparse_multi_steps
+from optax_sparse_adam._optax.optimizers import sparse_adagrad as sparse_adagrad
+from optax_sparse_adam._optax.optimizers import sparse_rowwise_adagrad as sparse_rowwise_adagrad
+from optax_sparse_adam._optax.optimizers import sparse_sgd as sparse_sgd
+from optax_sparse_adam._optax.rule_transform import SparseRuleState as SparseRuleState
+from optax_sparse_adam._optax.rule_transform import (
+  sparse_rule_transformation as sparse_rule_transformation,
+)
 from optax_sparse_adam._optax.state import SparseAdamState as SparseAdamState
 from optax_sparse_adam._optax.transform import sparse_adam as sparse_adam
 from optax_sparse_adam._optax.transform import sparse_adamw as sparse_adamw
 from optax_sparse_adam._version import __version__ as __version__
 
 __all__ = (
+  "AdagradHyperparams",
+  "AdagradRule",
   "AdamCoefficients",
   "HugePageAdvice",
   "LeafState",
-  "RowBuffer",
   "RoutingStats",
+  "RowBlock",
+  "RowBuffer",
+  "RowRule",
+  "RowwiseAdagradHyperparams",
+  "RowwiseAdagradRule",
+  "SGDHyperparams",
+  "SGDRule",
+  "Slot",
   "SparseAdamState",
   "SparseMultiStepsState",
+  "SparseRuleState",
   "advise_huge_pages",
   "apply_updates",
   "catch_up_all_rows",
@@ -57,12 +87,16 @@ __all__ = (
   "routing_stats",
   "sharded_lookup",
   "sharded_routing",
+  "sparse_adagrad",
   "sparse_adam",
   "sparse_adam_leaf_step",
   "sparse_adamw",
   "sparse_apply_if_finite",
   "sparse_grad_checks",
   "sparse_multi_steps",
+  "sparse_rowwise_adagrad",
+  "sparse_rule_transformation",
+  "sparse_sgd",
   "to_cyclic_rows",
   "use_cpu_kernels",
 )

@@ -7,6 +7,8 @@ import pytest
 
 MODULES = [
   "optax_sparse_adam._optax.transform",
+  "optax_sparse_adam._optax.rule_transform",
+  "optax_sparse_adam._optax.optimizers",
   "optax_sparse_adam._optax.state",
   "optax_sparse_adam._optax.apply",
   "optax_sparse_adam._optax.composition",
@@ -19,6 +21,8 @@ MODULES = [
   "optax_sparse_adam.flax._grads",
   "optax_sparse_adam.flax._optimizer",
   "optax_sparse_adam.torch_compat._sparse_adam",
+  "optax_sparse_adam.torch_compat._sgd",
+  "optax_sparse_adam.torch_compat._adagrad",
   "optax_sparse_adam.torch_compat._parameter",
 ]
 

@@ -61,7 +61,7 @@ def masked_step(
   if config.maximize:
     g = -g
   param_rows = None
-  if config.weight_decay != "none":
+  if config.weight_decay != "none" or config.max_norm is not None:
     assert tables.param is not None  # the optax layer checks it
     param_rows = bcoo.gather_rows(bcoo.as_rows(tables.param, layout), rows).astype(compute_dtype)
     if config.weight_decay == "l2":
@@ -124,6 +124,9 @@ def masked_step(
     delta = delta - lr_wd * param_rows
   if shift is not None:
     delta = delta + shift
+  if config.max_norm is not None:
+    assert param_rows is not None
+    delta = _renormalised(param_rows, delta, config.max_norm)
   valid = rows < layout.num_rows
   delta = jnp.where(
     valid.reshape(valid.shape + (1,) * len(layout.dense_shape)),
@@ -138,6 +141,20 @@ def masked_step(
     for slot, table in zip(slots, slot_tables, strict=True)
   }
   return RowsStep(rows, delta, Tables(new_slots, row_step, last_step=last_step))
+
+
+def _renormalised(param_rows: jax.Array, delta: jax.Array, max_norm: float) -> jax.Array:
+  """The delta that leaves each row at `p + delta` scaled to norm `max_norm` where it is above.
+
+  FBGEMM's `max_norm`: after the step, a row whose L2 norm exceeds it is
+  multiplied by `max_norm / norm` (to an ulp of FBGEMM's, which stores the
+  scaled row, where the apply adds the difference).
+  """
+  new = param_rows + delta
+  axes = tuple(range(1, new.ndim))
+  norm = jnp.sqrt(jnp.sum(new * new, axis=axes, keepdims=True))
+  scale = jnp.where(norm > max_norm, jnp.asarray(max_norm, new.dtype) / norm, 1)
+  return jnp.where(norm > max_norm, new * scale - param_rows, delta)
 
 
 def _present(x: jax.Array | None) -> jax.Array:

@@ -36,8 +36,13 @@ centroid of its weights `x^j` (an integer step of the window). Hence:
   size's variation (the bias correction, early in training; a schedule), the
   second the mix's gap, second order in `1 - b2^(j/2)` (`w (1-w) <= 1/4`).
 
-The learning rate of the idle steps is the current step's (with a schedule,
-the error is bounded by the same formula over the window's actual step sizes).
+The learning rate charged to the idle steps is `hyper.window_learning_rate`: a
+schedule's rate at the last idle step (`count - 1`), the same whether the row
+is caught up inside the step or by `catch_up_rows`, so it is exact when the
+rate is constant over the window. Under a schedule, `eta_min..eta_max` above
+range over `lr_min * bc_min .. lr_max * bc_max`, the window's rates and bias
+corrections `bc_s = sqrt(1 - b2^s) / (1 - b1^s)` taken apart, and AdamW's decay
+adds `|p| |prod_s (1 - lr_s wd) - (1 - lr_w wd)^k|` (`lr_w` the charged rate).
 `b1 < sqrt(b2)` is needed without amsgrad (r < 1, else the mix, and the bound,
 grow with k): `_optax.catch_up.check_options` refuses the rest.
 """
@@ -50,8 +55,12 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from optax_sparse_adam._core.adam import AdamHyperparams, AdamRule, bias_corrected_step_size
 from optax_sparse_adam._core.errors import is_python_number
+from optax_sparse_adam._core.row_rules.adam import (
+  AdamHyperparams,
+  AdamRule,
+  bias_corrected_step_size,
+)
 
 
 class CaughtUp(NamedTuple):
@@ -138,6 +147,7 @@ def idle_rows(
     The `CaughtUp` rows.
   """
   assert hyper.log_b1 is not None and hyper.log_b2 is not None  # the optax layer gives them
+  hyper = hyper.for_idle_steps()  # the idle steps' rate, not the touching step's
 
   def c(x: Any) -> jax.Array:
     return jnp.asarray(x, compute_dtype)

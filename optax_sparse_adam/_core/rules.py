@@ -14,6 +14,7 @@ shares or matches bit for bit):
   delta, s' = rule.update(RowBlock(g, s, t, ...), hyper)  (s' rounded to each
                                                   slot's dtype by `store`)
   delta    -= lr * wd * p[rows] if decoupled weight decay
+  delta     = max_norm * (p + delta) / |p + delta| - p  where |p + delta| > max_norm (if set)
   slot tables[rows] = s'                         (touched rows only)
 
 What is fixed when a step is traced travels apart from what is traced: a
@@ -47,11 +48,13 @@ class Slot(NamedTuple):
       shape.
     dtype_of: the slot whose dtype setting this one follows (e.g. a running max
       of `nu` is stored like `nu`); None: its own.
+    init: the value every entry starts at (Adagrad's `initial_accumulator_value`).
   """
 
   name: str
   per_row: bool = False
   dtype_of: str | None = None
+  init: float = 0.0
 
 
 class RowRule(Protocol):
@@ -121,12 +124,15 @@ class StepConfig(NamedTuple):
     compute_dtype: the dtype of the arithmetic (float32 or wider).
     moment_rounding: how new slot rows are rounded to a narrower storage
       dtype: "nearest", or "stochastic" (`_core.rounding`; bf16 slots).
+    max_norm: after the step, each touched row whose L2 norm exceeds it is
+      scaled back to it (FBGEMM's `max_norm`); None: no renormalisation.
   """
 
   maximize: bool = False
   weight_decay: WeightDecay = "none"
   compute_dtype: Any = jnp.dtype(jnp.float32)
   moment_rounding: MomentRounding = "nearest"
+  max_norm: float | None = None
 
 
 class StepPlan(NamedTuple):
@@ -226,9 +232,11 @@ def init_tables(
   for slot in rule.slots():
     dtype = dtypes.get(slot.dtype_of or slot.name) or param.dtype
     if slot.per_row:
-      slots[slot.name] = _zeros_by_row(param, num_rows, sparse_dims, dtype)
+      table = _zeros_by_row(param, num_rows, sparse_dims, dtype)
     else:
-      slots[slot.name] = jnp.zeros_like(param, dtype=dtype)
+      table = jnp.zeros_like(param, dtype=dtype)
+    # An add keeps the table's sharding.
+    slots[slot.name] = table if slot.init == 0 else table + jnp.asarray(slot.init, dtype)
   row_step = _zeros_by_row(param, num_rows, sparse_dims, jnp.int32) if per_row_steps else None
   last_step = _zeros_by_row(param, num_rows, sparse_dims, jnp.int32) if last_steps else None
   return Tables(slots, row_step, last_step=last_step)

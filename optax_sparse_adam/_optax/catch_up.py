@@ -14,8 +14,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_sparse_adam._core import adam, catch_up, routed
+from optax_sparse_adam._core import catch_up, routed
 from optax_sparse_adam._core.errors import flatten_up_to, is_python_number, leaves_up_to
+from optax_sparse_adam._core.row_rules import adam
 from optax_sparse_adam._optax import leaf
 
 # The options of each transformation made with catch_up_idle_rows=True, by its
@@ -28,6 +29,21 @@ def register(update_fn: Any, options: Any) -> None:
   """Remembers a transformation's `SparseAdamOptions` if it catches up, for `catch_up_all_rows`."""
   if options.catch_up_idle_rows:
     _OPTIONS[update_fn] = options
+
+
+def window_learning_rate(options: Any, count: jax.Array) -> Any:
+  """The rate charged to a row's idle steps by the step that counts `count` updates so far.
+
+  A schedule's rate at `count - 1`, the step before: the last idle step of every
+  row caught up now (its earlier idle steps are charged the same rate; the
+  error is within the bound of `_core/catch_up.py` over the window's rates).
+  `catch_up_rows` and the in-step catch-up both charge this, so a window gets
+  the same rate whichever catches it up. None for a constant (or injected) rate:
+  the step's own rate, the only one known.
+  """
+  if not options.catch_up_idle_rows or not callable(options.learning_rate):
+    return None
+  return options.learning_rate(jnp.maximum(count - 1, 0))
 
 
 def options_of(optimizer: Any) -> Any:
@@ -59,6 +75,12 @@ def check_options(options: Any) -> None:
       f"{options.weight_decay!r}): with L2 weight decay dense Adam's idle rows have the "
       "gradient weight_decay * p, whose steps have no closed form. Use sparse_adamw "
       "(decoupled weight decay, caught up as (1 - lr * weight_decay)^k)."
+      + (
+        ""
+        if is_python_number(options.weight_decay)
+        else " Under optax.inject_hyperparams, keep a zero a Python zero with "
+        "static_args=('weight_decay',)."
+      )
     )
   b1, b2 = options.b1, options.b2
   if not options.amsgrad and is_python_number(b1) and is_python_number(b2) and b1 >= b2**0.5:
@@ -216,9 +238,9 @@ def _catch_up(
 
   param_leaves = leaves(params, "params")
   id_leaves = [_ALL] * treedef.num_leaves if ids is None else leaves(ids, "ids")
-  learning_rate = options.learning_rate
-  if callable(learning_rate):
-    learning_rate = learning_rate(jnp.maximum(state.count - 1, 0))
+  learning_rate = window_learning_rate(options, state.count)
+  if learning_rate is None:
+    learning_rate = options.learning_rate
   coeffs = adam.adam_coefficients(
     learning_rate, options.b1, options.b2, options.eps, options.weight_decay
   )

@@ -25,9 +25,10 @@ from jax.experimental import sparse
 from jax.sharding import PartitionSpec
 
 from optax_sparse_adam._backends import dispatch
-from optax_sparse_adam._core import adam, auto_partition, bcoo, routed, sharding
-from optax_sparse_adam._core.adam import AdamCoefficients, AdamRule, LeafState
+from optax_sparse_adam._core import auto_partition, bcoo, routed, sharding
 from optax_sparse_adam._core.errors import is_python_number, path_str
+from optax_sparse_adam._core.row_rules import adam
+from optax_sparse_adam._core.row_rules.adam import AdamCoefficients, AdamRule, LeafState
 from optax_sparse_adam._core.rules import (
   RowRule,
   StepConfig,
@@ -166,14 +167,14 @@ def masked_leaf_step(
     row-sharded table, `sharded_routing`) returns the update split over the
     table's axis, each device's rows sorted, padding between.
   """
-  param_shape = _param_shape(tables, rule)
+  param_shape = _param_shape(tables, rule, grad)
   layout = bcoo.row_layout(grad, param_shape, path)
   _check_tables(tables, layout, config, path, rule)
   compute_dtype = jnp.result_type(
     jnp.float32, grad.dtype, *(table.dtype for table in tables.slots.values())
   )
   plan = StepPlan(layout, rule, config._replace(compute_dtype=jnp.dtype(compute_dtype)))
-  if config.weight_decay == "none":
+  if config.weight_decay == "none" and config.max_norm is None:
     tables = tables._replace(param=None)
   new_step = None if step is None else optax.safe_increment(step)
   indices_sorted, unique_indices = update_flags
@@ -257,25 +258,30 @@ def masked_leaf_step(
   return LeafStep(update, new_step, new_tables)
 
 
-def _param_shape(tables: Tables, rule: RowRule) -> tuple[int, ...]:
-  """The parameter's shape, read from the rule's first full-width slot."""
+def _param_shape(tables: Tables, rule: RowRule, grad: sparse.BCOO) -> tuple[int, ...]:
+  """The parameter's shape: the rule's first full-width slot's, else the parameter's, else
+  the gradient's (a rule with per-row slots only checks their rows in `_check_tables`)."""
   for slot in rule.slots():
     if not slot.per_row:
       return tuple(tables.slots[slot.name].shape)
-  if tables.param is None:
-    raise ValueError(f"rule {rule.name!r} keeps no full-width slot: pass the parameter")
-  return tuple(jnp.shape(tables.param))
+  if tables.param is not None:
+    return tuple(jnp.shape(tables.param))
+  return tuple(grad.shape)
 
 
 def _check_tables(
   tables: Tables, layout: bcoo.RowLayout, config: StepConfig, path: tuple, rule: RowRule
 ) -> None:
   """Refuses a step that lacks the parameter for weight decay, or per-row arrays of another size."""
-  if config.weight_decay != "none" and tables.param is None:
-    raise ValueError(
-      f"Parameter at {path_str(path)} is needed for weight decay: pass params "
-      "to update(grads, state, params)."
-    )
+  for needed, what in (
+    (config.weight_decay != "none", "weight decay"),
+    (config.max_norm is not None, "max_norm"),
+  ):
+    if needed and tables.param is None:
+      raise ValueError(
+        f"Parameter at {path_str(path)} is needed for {what}: pass params "
+        "to update(grads, state, params)."
+      )
   for per_row, option in (
     (tables.row_step, "per-row bias correction"),
     (tables.last_step, "catch-up"),

@@ -11,8 +11,19 @@ import numpy as np
 import optax
 
 from optax_sparse_adam._core import rules
-from optax_sparse_adam._core.adam import LeafState
 from optax_sparse_adam._core.errors import flatten_up_to, leaves_up_to
+from optax_sparse_adam._core.row_rules.adam import LeafState
+
+
+def check_param_steps(param_steps: Any, num_params: int, holder: str, hint: str = "") -> None:
+  """Refuses step counts that are not one int32 vector with a count per parameter."""
+  shape = getattr(param_steps, "shape", None)
+  if shape is None or tuple(shape) != (num_params,):
+    raise ValueError(
+      f"The optimizer state's param_steps has shape {shape}, but {holder} hold "
+      f"{num_params} parameters: param_steps must be int32 ({num_params},), one step "
+      f"count per parameter.{hint}"
+    )
 
 
 class SparseAdamState(NamedTuple):
@@ -111,14 +122,13 @@ def leaf_state_of(step: jax.Array, tables: rules.Tables) -> LeafState:
 def param_indices(treedef: Any, paths: list[Any], state: SparseAdamState) -> list[int | None]:
   """Per gradient leaf, its parameter's position in `state.param_steps` (None: no parameter)."""
   num_params = len(jax.tree.leaves(state.mu))
-  steps_shape = getattr(state.param_steps, "shape", None)
-  if steps_shape is None or tuple(steps_shape) != (num_params,):
-    raise ValueError(
-      f"The optimizer state's param_steps has shape {steps_shape}, but its moments hold "
-      f"{num_params} parameters: param_steps must be int32 ({num_params},), one step "
-      "count per parameter. A SparseAdamState whose step counts are a tree like the "
-      "params (the layout of 0.1.0) converts with SparseAdamState.from_step_tree."
-    )
+  check_param_steps(
+    state.param_steps,
+    num_params,
+    "its moments",
+    " A SparseAdamState whose step counts are a tree like the params (the layout of "
+    "0.1.0) converts with SparseAdamState.from_step_tree.",
+  )
   indices = jax.tree.unflatten(jax.tree.structure(state.mu), range(num_params))
   return leaves_up_to(treedef, indices, "optimizer state", paths)
 

@@ -6,22 +6,25 @@ from typing import Any, NamedTuple, TypeAlias
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
-from jax.experimental import sparse
 
-from optax_sparse_adam._core import adam, bcoo, rounding, rules, sharding
-from optax_sparse_adam._core.adam import AdamRule, LeafState
+from optax_sparse_adam._core import bcoo, rounding, rules, sharding
 from optax_sparse_adam._core.errors import (
-  describe,
   flatten_grads,
   leaves_up_to,
-  path_str,
 )
 from optax_sparse_adam._core.hyperparams import check_hyperparams, moment_dtype
 from optax_sparse_adam._core.rounding import MomentRounding
-from optax_sparse_adam._core.rowwise_adam import RowwiseAdamRule
+from optax_sparse_adam._core.row_rules import adam
+from optax_sparse_adam._core.row_rules.adam import AdamRule
+from optax_sparse_adam._core.row_rules.rowwise_adam import RowwiseAdamRule
 from optax_sparse_adam._optax import catch_up, leaf
+from optax_sparse_adam._optax.rule_transform import (
+  advance_param_steps,
+  check_grad_leaves,
+  check_max_norm,
+  step_leaves,
+)
 from optax_sparse_adam._optax.state import (
   SparseAdamState,
   leaf_state_of,
@@ -49,6 +52,7 @@ class SparseAdamOptions(NamedTuple):
   rowwise_second_moment: bool = False
   moment_rounding: MomentRounding = "nearest"
   catch_up_idle_rows: bool = False
+  max_norm: float | None = None
 
   @property
   def rule(self) -> AdamRule | RowwiseAdamRule:
@@ -98,41 +102,6 @@ def _init_state(params: optax.Params, options: SparseAdamOptions) -> SparseAdamS
   )
 
 
-def _check_grads(
-  grads_with_path: list[tuple[Any, Any]], states: list[LeafState], params: list[Any]
-) -> None:
-  """Refuses a dense gradient, a BCOO of the wrong layout, or a param of another shape.
-
-  Runs over every leaf before anything is computed, so a bad leaf fails the
-  whole call and no state changes.
-  """
-  for (path, grad), state, param in zip(grads_with_path, states, params, strict=True):
-    if grad is None:
-      continue
-    if not isinstance(grad, sparse.BCOO):
-      raise TypeError(
-        f"sparse_adam needs BCOO gradients, but the gradient at {path_str(path)} is "
-        f"dense ({describe(grad)}). If it comes from jax.grad through a table lookup "
-        "(table[ids]), differentiate with respect to the gathered rows instead and "
-        "build the BCOO: rows = table[ids]; row_grads = jax.grad(loss_of_rows)(rows); "
-        "grad = jax.experimental.sparse.BCOO((row_grads, ids[:, None]), "
-        "shape=table.shape). With Flax, optax_sparse_adam.sparse_value_and_grad does "
-        "this for osa.SparseEmbed / LinenSparseEmbed tables. If the parameter is not "
-        "an embedding table, give it to optax.adam, or route dense and sparse leaves "
-        "apart with optax.multi_transform({'sparse': sparse_adam(...), "
-        "'dense': optax.adam(...)}, labels). If it is wrapped in optax.MultiSteps, "
-        "which accumulates gradients densely, use optax_sparse_adam.sparse_multi_steps "
-        "instead."
-      )
-    bcoo.row_layout(grad, state.mu.shape, path)
-    if param is not None and tuple(jnp.shape(param)) != tuple(state.mu.shape):
-      raise ValueError(
-        f"Parameter at {path_str(path)} has shape {tuple(jnp.shape(param))} but "
-        f"its optimizer state has shape {tuple(state.mu.shape)}: pass the params "
-        "given to init (or re-init the state after reshaping them)."
-      )
-
-
 def _scale_by_sparse_adam(options: SparseAdamOptions) -> optax.GradientTransformationExtraArgs:
   """The transformation behind `sparse_adam` and `sparse_adamw` (see `sparse_adam`).
 
@@ -155,6 +124,7 @@ def _scale_by_sparse_adam(options: SparseAdamOptions) -> optax.GradientTransform
     maximize=options.maximize,
     weight_decay=leaf.weight_decay_mode(weight_decay, decoupled=options.decoupled_weight_decay),
     moment_rounding=options.moment_rounding,
+    max_norm=check_max_norm(options.max_norm, options.catch_up_idle_rows),
   )
 
   def init_fn(params: optax.Params) -> SparseAdamState:
@@ -172,56 +142,50 @@ def _scale_by_sparse_adam(options: SparseAdamOptions) -> optax.GradientTransform
     indices = param_indices(treedef, paths, state)
     states = leaf_states(treedef, paths, state, indices)
     param_leaves = leaves_up_to(treedef, params, "params", paths)
-    _check_grads(grads_with_path, states, param_leaves)
+    shapes = [None if s.mu is None else tuple(s.mu.shape) for s in states]
+    check_grad_leaves(grads_with_path, shapes, param_leaves)
     last_steps = catch_up.last_step_leaves(treedef, paths, state, options.catch_up_idle_rows)
 
     lr = learning_rate(state.count) if callable(learning_rate) else learning_rate
     # A zero the compiler cannot see through: the math rounds each product before
     # adding it, as torch does, instead of XLA contracting the pair into an FMA.
     opaque_zero = jnp.minimum(state.count, 0)
-    hyper = adam.hyperparams_of(adam.adam_coefficients(lr, b1, b2, eps, weight_decay))
-    new_updates: list[sparse.BCOO | None] = []
-    new_states: list[LeafState] = []
-    new_last_steps: list[jax.Array | None] = []
-    for (path, grad), leaf_state, param, last_step in zip(
-      grads_with_path, states, param_leaves, last_steps, strict=True
-    ):
-      if grad is None:
-        new_updates.append(None)
-        new_states.append(leaf_state)
-        new_last_steps.append(last_step)
-        continue
-      slots = {slot.name: getattr(leaf_state, slot.name) for slot in rule.slots()}
-      step = leaf.masked_leaf_step(
-        grad,
-        rules.Tables(slots, leaf_state.row_step, param, last_step),
-        leaf_state.step,
-        rule=rule,
-        config=config,
-        hyper=hyper,
-        path=path,
-        opaque_zero=opaque_zero,
-        # The update carries the gradient's BCOO metadata, so updates keep the
-        # gradients' tree structure: lax.cond wrappers such as
-        # optax.apply_if_finite need both branches to match.
-        update_flags=(grad.indices_sorted, grad.unique_indices),
+    hyper = adam.hyperparams_of(
+      adam.adam_coefficients(lr, b1, b2, eps, weight_decay),
+      window_learning_rate=catch_up.window_learning_rate(options, state.count),
+    )
+    tables = [
+      rules.Tables(
+        {slot.name: getattr(leaf_state, slot.name) for slot in rule.slots()},
+        leaf_state.row_step,
+        param,
+        last_step,
       )
-      assert step.step is not None  # given a step, it returns one
-      new_updates.append(step.update)
-      new_states.append(leaf_state_of(step.step, step.tables))
-      new_last_steps.append(step.tables.last_step)
+      for leaf_state, param, last_step in zip(states, param_leaves, last_steps, strict=True)
+    ]
+    new_updates, new_tables, new_steps = step_leaves(
+      grads_with_path,
+      tables,
+      [leaf_state.step for leaf_state in states],
+      rule=rule,
+      config=config,
+      hyper=hyper,
+      opaque_zero=opaque_zero,
+    )
+    new_states = [
+      leaf_state if grad is None else leaf_state_of(step, new)
+      for (_, grad), leaf_state, step, new in zip(
+        grads_with_path, states, new_steps, new_tables, strict=True
+      )
+    ]
+    new_last_steps = [t.last_step for t in new_tables]
 
     def field(name: str, old: Any) -> Any:
       if old is None:
         return None
       return treedef.unflatten([getattr(s, name) for s in new_states])
 
-    # The parameters stepped now advance by one (saturating, as each leaf's step does).
-    stepped = np.zeros(state.param_steps.shape, bool)
-    for (_, grad), index in zip(grads_with_path, indices, strict=True):
-      if grad is not None and index is not None:
-        stepped[index] = True
-    param_steps = jnp.where(stepped, optax.safe_increment(state.param_steps), state.param_steps)
+    param_steps = advance_param_steps(state.param_steps, grads_with_path, indices)
     new_state = SparseAdamState(
       count=optax.safe_increment(state.count),
       param_steps=param_steps,
@@ -254,6 +218,7 @@ def sparse_adam(
   rowwise_second_moment: bool = False,
   moment_rounding: MomentRounding = "nearest",
   catch_up_idle_rows: bool = False,
+  max_norm: float | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   r"""Masked Adam for BCOO gradients, with the numerics of `torch.optim.SparseAdam`.
 
@@ -319,6 +284,10 @@ def sparse_adam(
       :math:`m` over them (docs/catch_up.md: where exact, the bound elsewhere);
       `catch_up_all_rows` does all rows. One int32 of state per row; needs
       `weight_decay=0` (use `sparse_adamw`), no `per_row_bias_correction`.
+    max_norm: after the step, scale each touched row whose L2 norm exceeds it
+      back to it (FBGEMM's per-row `max_norm`, here for Adam and the row-wise
+      Adam); None (the default): off. Needs `params` in `update`; not with
+      `catch_up_idle_rows`. Runs the XLA ops on the CPU (no fused kernel).
 
   Returns:
     An `optax.GradientTransformationExtraArgs` whose state is a `SparseAdamState`;
@@ -362,6 +331,7 @@ def sparse_adamw(
   rowwise_second_moment: bool = False,
   moment_rounding: MomentRounding = "nearest",
   catch_up_idle_rows: bool = False,
+  max_norm: float | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   r"""`sparse_adam` with decoupled weight decay, applied to the touched rows only.
 
@@ -391,6 +361,7 @@ def sparse_adamw(
     catch_up_idle_rows: take dense AdamW's steps for the rows the gradients
       skip (see `sparse_adam`), the decoupled decay included:
       :math:`(1 - \alpha\lambda)^k` over :math:`k` idle steps.
+    max_norm: per-row renormalisation after the step (see `sparse_adam`).
 
   Returns:
     As `sparse_adam`: an `optax.GradientTransformationExtraArgs` (extra keyword

@@ -1,4 +1,4 @@
-"""A drop-in `torch.optim.SparseAdam` for JAX arrays, for people porting PyTorch recipes.
+"""Drop-in `torch.optim.SparseAdam`, `SGD` and `Adagrad` for JAX arrays, for porting recipes.
 
     from optax_sparse_adam.torch_compat import Parameter, SparseAdam
 
@@ -18,18 +18,22 @@ installed, it is imported with this module and `SparseAdam` is also a
 everything but the torch checkpoint functions works without it.
 """
 
+from optax_sparse_adam.torch_compat._adagrad import Adagrad as Adagrad
 from optax_sparse_adam.torch_compat._convert import load_torch_checkpoint as load_torch_checkpoint
 from optax_sparse_adam.torch_compat._convert import save_torch_checkpoint as save_torch_checkpoint
 from optax_sparse_adam.torch_compat._convert import state_dict_to_torch as state_dict_to_torch
 from optax_sparse_adam.torch_compat._hooks import RemovableHandle as RemovableHandle
 from optax_sparse_adam.torch_compat._optimizer import Optimizer as Optimizer
 from optax_sparse_adam.torch_compat._parameter import Parameter as Parameter
+from optax_sparse_adam.torch_compat._sgd import SGD as SGD
 from optax_sparse_adam.torch_compat._sparse_adam import SparseAdam as SparseAdam
 
 __all__ = (
+  "Adagrad",
   "Optimizer",
   "Parameter",
   "RemovableHandle",
+  "SGD",
   "SparseAdam",
   "load_torch_checkpoint",
   "save_torch_checkpoint",

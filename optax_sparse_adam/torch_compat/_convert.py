@@ -13,6 +13,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import sparse
 
 from optax_sparse_adam.torch_compat import _atomic_file
 
@@ -24,6 +25,11 @@ _TORCH_MISSING = (
 def is_torch_tensor(x: Any) -> bool:
   torch = sys.modules.get("torch")
   return torch is not None and isinstance(x, torch.Tensor)
+
+
+def is_sparse_param(x: Any) -> bool:
+  """Whether `x` is a sparse tensor given as a parameter: a BCOO, or torch's `is_sparse` (COO)."""
+  return isinstance(x, sparse.BCOO) or (is_torch_tensor(x) and bool(x.is_sparse))
 
 
 def is_array(x: Any) -> bool:

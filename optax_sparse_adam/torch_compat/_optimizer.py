@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import jax.numpy as jnp
 from jax.experimental import sparse
 
-from optax_sparse_adam.torch_compat import _hooks
+from optax_sparse_adam.torch_compat import _convert, _hooks
 from optax_sparse_adam.torch_compat._parameter import Parameter
 
 StateDict = dict[str, Any]
@@ -155,8 +155,9 @@ class Optimizer(_hooks.HookRegistry, _TorchOptimizer):
       names = extracted_names
 
     for param in extracted_params:
-      # A BCOO passes, as a sparse torch tensor does: SparseAdam then names its index.
-      if not isinstance(param, (Parameter, sparse.BCOO)):
+      # A sparse tensor (a BCOO, or torch's own) passes, as in torch: SparseAdam then
+      # names its index in torch's words.
+      if not isinstance(param, Parameter) and not _convert.is_sparse_param(param):
         raise TypeError(
           f"optimizer can only optimize Tensors, but one of the params is {_typename(param)}"
           f"{_TENSOR_HINT}; wrap arrays as optax_sparse_adam.torch_compat.Parameter(array)"

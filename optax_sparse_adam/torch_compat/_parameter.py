@@ -51,8 +51,8 @@ class Parameter:
     if isinstance(value, sparse.BCOO):
       # torch's SparseAdam raises ValueError for a sparse parameter; same type here.
       raise ValueError(
-        "Parameter data must be a dense array, but got a BCOO: SparseAdam requires "
-        "dense parameter tensors (its gradients are the sparse ones)."
+        "SparseAdam requires dense parameter tensors: Parameter data must be a dense "
+        "array, but got a BCOO (the gradients are the sparse ones)."
       )
     if _convert.is_torch_tensor(value):
       value = _convert.to_numpy(value)

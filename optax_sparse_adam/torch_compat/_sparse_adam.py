@@ -1,6 +1,7 @@
 """`SparseAdam`: `torch.optim.SparseAdam` over JAX arrays, on the library's one step."""
 
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -24,8 +25,9 @@ def _check_dense_real_params(groups: list[dict[str, Any]], first_index: int = 0)
   """torch's SparseAdam checks, wording and order: sparse params, then complex ones."""
   sparse_params, complex_params = [], []
   for gi, pi, p in iter_params(groups):
-    if isinstance(p, sparse.BCOO):
+    if _convert.is_sparse_param(p):
       sparse_params.append([gi + first_index, pi])
+      continue
     if np.issubdtype(np.dtype(p.dtype), np.complexfloating):
       complex_params.append([gi + first_index, pi])
   if sparse_params:
@@ -114,6 +116,73 @@ def _check_layout(grad: sparse.BCOO, param_shape: tuple[int, ...], path: tuple) 
     _PASSED_LAYOUTS.popitem(last=False)
 
 
+def grads_to_step(
+  param_groups: list[dict[str, Any]],
+  dense_message: Callable[[str], str],
+  per_group: Callable[[dict[str, Any], str], Any],
+) -> list[tuple[Parameter, sparse.BCOO, Any]]:
+  """`(param, grad, per_group(group))` for every parameter with a gradient, all checked first.
+
+  A dense gradient fails with `dense_message(what it is)`, a BCOO of the wrong layout
+  with `bcoo.row_layout`'s error; `per_group` runs once per group that has a gradient
+  (reading and checking its options). Nothing has changed when one fails.
+  """
+  todo = []
+  for gi, group in enumerate(param_groups):
+    where = f"param_groups[{gi}]"
+    value = None
+    for pi, p in enumerate(group["params"]):
+      grad = p.grad
+      if grad is None:
+        continue
+      path = (f"{where}['params'][{pi}]",)
+      if not isinstance(grad, sparse.BCOO):
+        shape = getattr(grad, "shape", None)
+        raise RuntimeError(
+          dense_message(
+            f"{path[0]} has a dense gradient of type {type(grad).__name__}"
+            f"{'' if shape is None else f' with shape {tuple(shape)}'}"
+          )
+        )
+      _check_layout(grad, p.shape, path)
+      if value is None:
+        value = per_group(group, where)
+      todo.append((p, grad, value))
+  return todo
+
+
+def loaded_state(value: Any, keys: list[str], name: str, where: str) -> dict[str, Any]:
+  """A copy of one parameter's loaded state (`{}` if empty), refused unless it has `keys`.
+
+  Keys besides `keys` are kept as they are, as torch keeps them.
+  """
+  if not isinstance(value, dict):
+    raise ValueError(
+      f"loaded state dict has a {type(value).__name__} as the state of {where}; "
+      f"expected a dict with keys {keys}"
+    )
+  missing = [key for key in keys if key not in value] if value else []
+  if missing:
+    raise ValueError(
+      f"loaded state dict is missing {missing} in the state of {where}; "
+      f"{name} keeps {keys} per parameter"
+    )
+  return dict(value)
+
+
+def copy_shared_buffers(*lists: list[Any]) -> None:
+  """Copies, in place in `lists`, every array whose buffer an earlier entry already holds.
+
+  Parameters built from one array share its buffer, which cannot be donated twice.
+  """
+  donated: set[int] = set()
+  for arrays in lists:
+    for i, array in enumerate(arrays):
+      if id(array) in donated:
+        arrays[i] = jnp.copy(array)
+      donated.add(id(arrays[i]))
+
+
 class SparseAdam(Optimizer):
   r"""`torch.optim.SparseAdam` for `Parameter`s holding JAX arrays and BCOO gradients.
 
@@ -200,20 +269,9 @@ class SparseAdam(Optimizer):
     _step.group_hyperparams(group, where)
 
   def _load_param_state(self, param: Parameter, value: Any, where: str) -> dict[str, Any]:
-    if not isinstance(value, dict):
-      raise ValueError(
-        f"loaded state dict has a {type(value).__name__} as the state of {where}; "
-        f"expected a dict with keys {list(_STATE_KEYS)}"
-      )
-    if not value:
+    state = loaded_state(value, list(_STATE_KEYS), "SparseAdam", where)
+    if not state:
       return {}
-    missing = [key for key in _STATE_KEYS if key not in value]
-    if missing:
-      raise ValueError(
-        f"loaded state dict is missing {missing} in the state of {where}; "
-        f"SparseAdam keeps {list(_STATE_KEYS)} per parameter"
-      )
-    state = dict(value)  # other keys are kept as they are, as torch keeps them
     state["step"] = _as_step(value["step"], where)
     state["exp_avg"] = _as_moment(value["exp_avg"], param, "exp_avg", where)
     state["exp_avg_sq"] = _as_moment(value["exp_avg_sq"], param, "exp_avg_sq", where)
@@ -238,25 +296,9 @@ class SparseAdam(Optimizer):
     if closure is not None:
       loss = closure()
 
-    todo = []
-    for gi, group in enumerate(self.param_groups):
-      where = f"param_groups[{gi}]"
-      hyper = None
-      for pi, p in enumerate(group["params"]):
-        grad = p.grad
-        if grad is None:
-          continue
-        path = (f"{where}['params'][{pi}]",)
-        if not isinstance(grad, sparse.BCOO):
-          shape = getattr(grad, "shape", None)
-          raise RuntimeError(
-            f"{_DENSE_GRAD} ({path[0]} has a dense gradient of type "
-            f"{type(grad).__name__}{'' if shape is None else f' with shape {tuple(shape)}'})"
-          )
-        _check_layout(grad, p.shape, path)
-        if hyper is None:
-          hyper = _step.group_hyperparams(group, where)
-        todo.append((p, grad, hyper))
+    todo = grads_to_step(
+      self.param_groups, lambda text: f"{_DENSE_GRAD} ({text})", _step.group_hyperparams
+    )
     if not todo:
       return loss
 
@@ -271,13 +313,7 @@ class SparseAdam(Optimizer):
       scalars.append(_step.host_scalars(hyper, step, _step.compute_dtype(p, grad)))
       steps.append(step)
 
-    # Parameters built from one array share its buffer, which cannot be donated twice.
-    donated: set[int] = set()
-    for arrays in (params, exp_avgs, exp_avg_sqs):
-      for i, array in enumerate(arrays):
-        if id(array) in donated:
-          arrays[i] = jnp.copy(array)
-        donated.add(id(arrays[i]))
+    copy_shared_buffers(params, exp_avgs, exp_avg_sqs)
     new_params, new_exp_avgs, new_exp_avg_sqs = _step.fused_step(
       params,
       exp_avgs,

@@ -20,7 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import sparse
 
-from optax_sparse_adam._core import adam, rules
+from optax_sparse_adam._core import rules
+from optax_sparse_adam._core.row_rules import adam
 from optax_sparse_adam._optax import leaf
 from optax_sparse_adam.torch_compat import _convert
 
@@ -184,3 +185,36 @@ def fused_step(
     new_exp_avgs.append(state_mu)
     new_exp_avg_sqs.append(state_nu)
   return new_params, new_exp_avgs, new_exp_avg_sqs
+
+
+@functools.partial(jax.jit, donate_argnums=(0, 1), static_argnames=("plans",))
+def fused_rule_step(
+  params: Sequence[jax.Array],
+  slots: Sequence[dict[str, jax.Array]],
+  grads: Sequence[sparse.BCOO],
+  hypers: Sequence[Any],
+  opaque_zero: jax.Array,
+  *,
+  plans: tuple[tuple[Any, rules.StepConfig], ...],
+) -> tuple[list[jax.Array], list[dict[str, jax.Array]]]:
+  """One step of every listed parameter under its `(rule, StepConfig)`; params and slots donated.
+
+  `hypers[i]` are parameter i's hyper-parameters, computed on the host (arrays:
+  editing a group's options does not recompile; None fields are static).
+  """
+  new_params, new_slots = [], []
+  for param, tables, grad, hyper, (rule, config) in zip(
+    params, slots, grads, hypers, plans, strict=True
+  ):
+    step = leaf.masked_leaf_step(
+      grad,
+      rules.Tables(dict(tables), param=param),
+      None,  # the step count lives on the host; the hyper-parameters come computed
+      rule=rule,
+      config=config,
+      hyper=hyper,
+      opaque_zero=opaque_zero,
+    )
+    new_params.append(leaf.scatter_add_bcoo(param, step.update))
+    new_slots.append(step.tables.slots)
+  return new_params, new_slots

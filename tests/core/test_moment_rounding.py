@@ -299,7 +299,8 @@ def test_a_shard_given_its_first_row_draws_the_whole_tables_bits(path, rowwise):
   """A step on the upper half of a table with `row_offset` = its first global row (as the
   routed step gives each shard) stores the bits of that half of the whole table's step."""
   from optax_sparse_adam._backends import dispatch
-  from optax_sparse_adam._core import adam, bcoo, rowwise_adam, rules
+  from optax_sparse_adam._core import bcoo, rules
+  from optax_sparse_adam._core.row_rules import adam, rowwise_adam
 
   num_rows, dim, half = 64, 16, 32
   rng = np.random.default_rng(5)

@@ -48,9 +48,24 @@ def _message(fn):
   return str(caught.value)
 
 
+@pytest.mark.parametrize("given", ["bcoo", "torch_sparse"])
 @pytest.mark.parametrize("layout", sorted(_layouts(_j, _j_sparse)))
-def test_sparse_params_are_named_as_torch_names_them(layout):
+def test_sparse_params_are_named_as_torch_names_them(layout, given):
+  """A BCOO, or a sparse torch tensor handed over as it is, named in torch's words."""
   theirs = _message(lambda: torch.optim.SparseAdam(_layouts(_t, _t_sparse)[layout]))
-  ours = _message(lambda: SparseAdam(_layouts(_j, _j_sparse)[layout]))
+  sparse_param = _j_sparse if given == "bcoo" else _t_sparse
+  ours = _message(lambda: SparseAdam(_layouts(_j, sparse_param)[layout]))
   assert theirs.startswith("Sparse params at indices [[")
   assert ours == theirs
+
+
+def test_sparse_param_group_added_later_is_named_with_its_group():
+  opt = SparseAdam([_j()])
+  message = _message(lambda: opt.add_param_group({"params": [_j(), _t_sparse()]}))
+  assert message == "Sparse params at indices [[1, 1]]: SparseAdam requires dense parameter tensors"
+  assert len(opt.param_groups) == 1  # nothing was added
+
+
+def test_a_bcoo_wrapped_as_a_parameter_says_torchs_words_first():
+  message = _message(lambda: Parameter(_j_sparse()))
+  assert message.startswith("SparseAdam requires dense parameter tensors")

@@ -37,10 +37,10 @@ import jax.numpy as jnp
 
 from optax_sparse_adam._backends import choice
 from optax_sparse_adam._core import rounding, sharding
-from optax_sparse_adam._core.adam import AdamRule
 from optax_sparse_adam._core.bcoo import RowLayout
 from optax_sparse_adam._core.errors import is_python_number
-from optax_sparse_adam._core.rowwise_adam import (
+from optax_sparse_adam._core.row_rules.adam import AdamRule
+from optax_sparse_adam._core.row_rules.rowwise_adam import (
   RowwiseAdamRule,
   bias_corrections,
   inverse_row_size,
@@ -283,7 +283,9 @@ def _catch_up_coefficients(inputs: StepInputs, plan: StepPlan) -> list[Any]:
   decoupled = plan.config.weight_decay == "decoupled"
   lr_wd = c(hyper.learning_rate) * c(hyper.weight_decay) if decoupled else c(0.0)
   log_b1, log_b2 = c(hyper.log_b1), c(hyper.log_b2)
-  log_d = jnp.log1p(-c(hyper.learning_rate) * c(hyper.weight_decay)) if decoupled else c(0.0)
+  # The idle steps take their own rate (a schedule's at count - 1), as catch_up.idle_rows.
+  idle = hyper.for_idle_steps()
+  log_d = jnp.log1p(-c(idle.learning_rate) * c(idle.weight_decay)) if decoupled else c(0.0)
 
   def base(log_x: jax.Array) -> list[jax.Array]:
     # As catch_up.decayed_sum, _geometric_sum and _centroid compute them.
@@ -297,7 +299,7 @@ def _catch_up_coefficients(inputs: StepInputs, plan: StepPlan) -> list[Any]:
     log_b1,
     log_b2,
     log_d,
-    c(hyper.learning_rate),
+    c(idle.learning_rate),
     c(hyper.step_size),
     *base(log_b1),
     *base(log_b1 - 0.5 * log_b2),

@@ -50,7 +50,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from optax_sparse_adam._core.adam import AdamHyperparams, block_arithmetic
+from optax_sparse_adam._core.row_rules.adam import AdamHyperparams, block_arithmetic
 from optax_sparse_adam._core.rules import RowBlock, Slot
 
 

@@ -144,6 +144,12 @@ class AdamHyperparams(NamedTuple):
   it from the step count. A caller passes what it has: None where a value is
   never read (`learning_rate` and the log-betas when `step_size` is given and
   there is no weight decay; `weight_decay` without weight decay).
+
+  `window_learning_rate` is the rate that catch-up of idle rows charges to a
+  row's idle steps: the rate of the step before this one (a schedule's value
+  at `count - 1`), which is an idle step of every row caught up now, so the
+  in-step catch-up and `catch_up_rows` charge a window the same rate. None:
+  `learning_rate` (a constant rate).
   """
 
   learning_rate: Scalar | None
@@ -154,11 +160,23 @@ class AdamHyperparams(NamedTuple):
   eps: Scalar
   weight_decay: Scalar | None = None
   step_size: Scalar | None = None
+  window_learning_rate: Scalar | None = None
+
+  def for_idle_steps(self) -> AdamHyperparams:
+    """These hyper-parameters with the idle steps' rate as `learning_rate`."""
+    if self.window_learning_rate is None:
+      return self
+    return self._replace(learning_rate=self.window_learning_rate, window_learning_rate=None)
 
 
-def hyperparams_of(coeffs: AdamCoefficients, step_size: Scalar | None = None) -> AdamHyperparams:
-  """`AdamHyperparams` from `AdamCoefficients` (and an optional given step size)."""
-  return AdamHyperparams(*coeffs, step_size=step_size)
+def hyperparams_of(
+  coeffs: AdamCoefficients,
+  step_size: Scalar | None = None,
+  *,
+  window_learning_rate: Scalar | None = None,
+) -> AdamHyperparams:
+  """`AdamHyperparams` from `AdamCoefficients` (an optional given step size, idle steps' rate)."""
+  return AdamHyperparams(*coeffs, step_size=step_size, window_learning_rate=window_learning_rate)
 
 
 def block_arithmetic(

@@ -1,0 +1,1 @@
+"""Row rules: one module per optimizer (its slots, hyper-parameters and update)."""

@@ -1,0 +1,269 @@
+"""`sparse_sgd`, `sparse_adagrad`, `sparse_rowwise_adagrad`: over `sparse_rule_transformation`.
+
+Each checks its options in torch's order and wording (or FBGEMM's names), picks
+its rule from `_core/row_rules/` and hands both to the generic transformation.
+Options whose torch semantics are dense on sparse gradients are refused with
+what to use instead.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from optax_sparse_adam._core.errors import is_python_number
+from optax_sparse_adam._core.row_rules.adagrad import AdagradHyperparams, AdagradRule
+from optax_sparse_adam._core.row_rules.rowwise_adagrad import (
+  RowwiseAdagradHyperparams,
+  RowwiseAdagradRule,
+)
+from optax_sparse_adam._core.row_rules.sgd import SGDHyperparams, SGDRule
+from optax_sparse_adam._optax.rule_transform import sparse_rule_transformation
+
+ScalarOrSchedule = Any
+
+SGD_WEIGHT_DECAY = (
+  "weight_decay={wd!r}: torch.optim.SGD refuses weight decay with sparse gradients "
+  "('add(sparse, dense) is not supported. Use add(dense, sparse) instead.'): its decay "
+  "would move every row of the table each step. For a decay of the touched rows only, use "
+  "sparse_rowwise_adagrad(weight_decay_mode=...) or sparse_adamw."
+)
+SGD_MOMENTUM = (
+  "momentum={momentum!r}: torch.optim.SGD's momentum is not lazy on sparse gradients: its "
+  "buffer keeps every row it ever saw and moves all of them on every step, so the table "
+  "ends up updated densely. Pass lazy_momentum=True for the row-wise form (a row's buffer "
+  "decays and moves only when the row is touched; not torch's numbers), or use "
+  "sparse_adagrad / sparse_adam, whose state is lazy in torch too."
+)
+
+
+def _known(value: Any) -> float | None:
+  """A hyper-parameter's value where it is known now: a number or a concrete 0-d array.
+
+  `optax.inject_hyperparams` calls the factory with concrete arrays in `init` and
+  with traced ones in a jitted `update`: the values are checked at `init`.
+  """
+  if is_python_number(value):
+    return value
+  if callable(value) or isinstance(value, jax.core.Tracer) or jnp.ndim(value) != 0:
+    return None
+  return float(value)
+
+
+def _check_number(name: str, value: Any) -> None:
+  """torch's `Invalid {name} value: {value}` check, where the value is known."""
+  known = _known(value)
+  if known is not None and not known >= 0:
+    label = "learning rate" if name == "lr" else f"{name} value"
+    raise ValueError(f"Invalid {label}: {known}")
+
+
+def sparse_sgd(
+  learning_rate: ScalarOrSchedule = 1e-3,
+  momentum: float = 0.0,
+  dampening: float = 0.0,
+  weight_decay: float = 0.0,
+  nesterov: bool = False,
+  *,
+  maximize: bool = False,
+  lazy_momentum: bool = False,
+) -> optax.GradientTransformationExtraArgs:
+  r"""`torch.optim.SGD` for BCOO gradients: the touched rows move, nothing else.
+
+  With :math:`g` the gradient after summing duplicate indices and :math:`r` its
+  rows, :math:`\theta_r \leftarrow \theta_r - \alpha g_r` (ascending with
+  `maximize`): torch's SGD on a sparse gradient, with no state.
+
+  torch's momentum is dense on sparse gradients (its buffer moves every row it
+  ever saw, every step), and torch refuses weight decay with them: both are
+  refused here, with what to use instead. `lazy_momentum=True` keeps a
+  momentum buffer per row that decays and moves only when the row is touched:
+
+  .. math::
+    b_r \leftarrow \mu b_r + (1 - d) g_r, \quad
+    \theta_r \leftarrow \theta_r - \alpha (g_r + \mu b_r \text{ if nesterov else } b_r)
+
+  Args:
+    learning_rate: a float, or an `optax.Schedule` of the number of updates.
+    momentum: the buffer's decay :math:`\mu` (needs `lazy_momentum=True`).
+    dampening: :math:`d`.
+    weight_decay: must be 0 (as torch with sparse gradients).
+    nesterov: Nesterov momentum (needs momentum and zero dampening, as in torch).
+    maximize: ascend the objective instead of descending it.
+    lazy_momentum: allow `momentum > 0` in the row-wise (lazy) form above.
+
+  Returns:
+    An `optax.GradientTransformationExtraArgs` whose state is a `SparseRuleState`
+    (slot `momentum_buffer` with momentum, else none).
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from jax.experimental import sparse
+    >>> import optax_sparse_adam as osa
+    >>> params = {"table": jnp.ones((4, 2))}
+    >>> opt = osa.sparse_sgd(learning_rate=0.5)
+    >>> grad = sparse.BCOO((jnp.ones((2, 2)), jnp.array([[1], [1]])), shape=(4, 2))
+    >>> updates, _ = opt.update({"table": grad}, opt.init(params))
+    >>> osa.apply_updates(params, updates)["table"][1]
+    Array([0., 0.], dtype=float32)
+
+  References:
+    `torch.optim.SGD`, https://pytorch.org/docs/stable/generated/torch.optim.SGD.html
+  """
+  _check_number("lr", learning_rate)
+  _check_number("momentum", momentum)
+  _check_number("weight_decay", weight_decay)
+  if nesterov and (_known(momentum) == 0 or _known(dampening) not in (0, None)):
+    raise ValueError("Nesterov momentum requires a momentum and zero dampening")
+  if _known(weight_decay) not in (0, None):
+    raise ValueError(SGD_WEIGHT_DECAY.format(wd=weight_decay))
+  if _known(momentum) not in (0, None) and not lazy_momentum:
+    raise ValueError(SGD_MOMENTUM.format(momentum=momentum))
+  return sparse_rule_transformation(
+    # The buffer by the flag, not the value: the state's structure stays the same when
+    # optax.inject_hyperparams passes momentum as an array (with 0, the buffer is g).
+    SGDRule(momentum=lazy_momentum, nesterov=nesterov),
+    SGDHyperparams(learning_rate, momentum, dampening, None),
+    maximize=maximize,
+    name="sparse_sgd",
+  )
+
+
+def sparse_adagrad(
+  learning_rate: ScalarOrSchedule = 1e-2,
+  lr_decay: float = 0.0,
+  weight_decay: float = 0.0,
+  initial_accumulator_value: float = 0.0,
+  eps: float = 1e-10,
+  *,
+  maximize: bool = False,
+) -> optax.GradientTransformationExtraArgs:
+  r"""`torch.optim.Adagrad` for BCOO gradients: lazy, as torch is on sparse gradients.
+
+  With :math:`g` the gradient after summing duplicate indices (torch coalesces
+  it), :math:`r` its rows and :math:`t` the parameter's step count,
+
+  .. math::
+    s_r &\leftarrow s_r + g_r^2 \\
+    \theta_r &\leftarrow \theta_r - \frac{\alpha}{1 + (t - 1)\,\eta}
+      \frac{g_r}{\sqrt{s_r} + \epsilon}
+
+  and nothing else changes; :math:`s` starts at `initial_accumulator_value`.
+
+  Args:
+    learning_rate: :math:`\alpha`, a float or an `optax.Schedule`.
+    lr_decay: :math:`\eta`.
+    weight_decay: must be 0: torch refuses it with sparse gradients.
+    initial_accumulator_value: where :math:`s` starts.
+    eps: added to :math:`\sqrt{s}`.
+    maximize: ascend the objective instead of descending it.
+
+  Returns:
+    An `optax.GradientTransformationExtraArgs` whose state is a `SparseRuleState`
+    with one slot, `sum` (torch's `state['sum']`).
+
+  Example:
+    >>> import jax.numpy as jnp, optax_sparse_adam as osa
+    >>> from jax.experimental.sparse import BCOO
+    >>> opt = osa.sparse_adagrad(learning_rate=0.1)
+    >>> grad = BCOO((jnp.full((1, 2), 3.0), jnp.array([[2]])), shape=(4, 2))
+    >>> updates, state = opt.update({"t": grad}, opt.init({"t": jnp.zeros((4, 2))}))
+    >>> updates["t"].data  # -lr * g / sqrt(g^2) at the first step
+    Array([[-0.1, -0.1]], dtype=float32)
+
+  References:
+    `torch.optim.Adagrad`,
+    https://pytorch.org/docs/stable/generated/torch.optim.Adagrad.html
+  """
+  _check_number("lr", learning_rate)
+  _check_number("lr_decay", lr_decay)
+  _check_number("weight_decay", weight_decay)
+  _check_number("initial_accumulator_value", initial_accumulator_value)
+  _check_number("epsilon", eps)
+  if _known(weight_decay) not in (0, None):
+    raise ValueError(
+      f"weight_decay={weight_decay!r}: weight_decay option is not compatible with sparse "
+      "gradients (torch.optim.Adagrad's words: its decay would move every row). For a decay "
+      "of the touched rows only, use sparse_rowwise_adagrad(weight_decay_mode=...)."
+    )
+  # It fills the state at init: static (0 where optax.inject_hyperparams traces it in a
+  # jitted update, which never reads it).
+  initial = _known(initial_accumulator_value)
+  return sparse_rule_transformation(
+    AdagradRule(initial_accumulator_value=float(initial or 0.0)),
+    AdagradHyperparams(learning_rate, lr_decay, eps, None),
+    maximize=maximize,
+    name="sparse_adagrad",
+  )
+
+
+def sparse_rowwise_adagrad(
+  learning_rate: ScalarOrSchedule = 1e-2,
+  eps: float = 1e-8,
+  weight_decay: float = 0.0,
+  *,
+  weight_decay_mode: str = "none",
+  max_norm: float | None = None,
+  maximize: bool = False,
+) -> optax.GradientTransformationExtraArgs:
+  r"""FBGEMM's EXACT_ROWWISE_ADAGRAD for BCOO gradients: one accumulator per row.
+
+  With :math:`g` the gradient after summing duplicate indices, :math:`r` its
+  rows and :math:`D` the row's number of values,
+
+  .. math::
+    s_r &\leftarrow s_r + \tfrac{1}{D} \textstyle\sum_D g_r^2 \\
+    \theta_r &\leftarrow \theta_r - \frac{\alpha}{\sqrt{s_r} + \epsilon} g_r
+
+  (TorchRec's most used table optimizer). The state is one float per row.
+
+  Args:
+    learning_rate: :math:`\alpha`, a float or an `optax.Schedule`.
+    eps: added to :math:`\sqrt{s}` (outside the root, as FBGEMM).
+    weight_decay: :math:`\lambda`, read as `weight_decay_mode` says.
+    weight_decay_mode: "none"; "l2" (FBGEMM's L2 mode: :math:`g \mathrel{+}=
+      \lambda \theta` before the row mean); or "decoupled" (FBGEMM's DECOUPLE:
+      :math:`\theta_r \mathrel{-}= \alpha \lambda \theta_r`). Touched rows only.
+    max_norm: after the step, scale each touched row whose L2 norm exceeds it
+      back to it (FBGEMM's `max_norm`); None: off. Needs `params` in `update`.
+    maximize: ascend the objective instead of descending it.
+
+  Returns:
+    An `optax.GradientTransformationExtraArgs` whose state is a `SparseRuleState`
+    with one per-row slot, `sum` (FBGEMM's `momentum1`), shape `(num_rows,)`.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from jax.experimental import sparse
+    >>> import optax_sparse_adam as osa
+    >>> opt = osa.sparse_rowwise_adagrad(learning_rate=0.1, eps=0.0)
+    >>> state = opt.init({"table": jnp.zeros((4, 2))})
+    >>> grad = sparse.BCOO((jnp.array([[3.0, 4.0]]), jnp.array([[0]])), shape=(4, 2))
+    >>> state = opt.update({"table": grad}, state)[1]
+    >>> state.slots["sum"]["table"]  # row 0: the mean of 3^2 and 4^2
+    Array([12.5,  0. ,  0. ,  0. ], dtype=float32)
+
+  References:
+    FBGEMM, `fbgemm_gpu/codegen/genscript/optimizers.py` (`rowwise_adagrad`);
+    `EmbOptimType.EXACT_ROWWISE_ADAGRAD` in TorchRec.
+  """
+  _check_number("lr", learning_rate)
+  _check_number("epsilon", eps)
+  _check_number("weight_decay", weight_decay)
+  modes = ("none", "l2", "decoupled")
+  if weight_decay_mode not in modes:
+    raise ValueError(
+      f"sparse_rowwise_adagrad: unknown weight_decay_mode {weight_decay_mode!r}; expected "
+      f"one of {list(modes)} (FBGEMM's NONE, L2, DECOUPLE)"
+    )
+  return sparse_rule_transformation(
+    RowwiseAdagradRule(),
+    RowwiseAdagradHyperparams(learning_rate, eps, weight_decay),
+    maximize=maximize,
+    weight_decay_mode=weight_decay_mode,
+    max_norm=max_norm,
+    name="sparse_rowwise_adagrad",
+  )

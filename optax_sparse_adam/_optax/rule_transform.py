@@ -1,0 +1,352 @@
+"""The optax transformation of any row rule: one state layout, one update loop, one set of checks.
+
+A rule module (`_core/row_rules/`) gives a `rules.RowRule` (slots and update)
+and its hyper-parameters (a NamedTuple with `learning_rate` and
+`weight_decay`). `sparse_rule_transformation` derives from them the optax
+`GradientTransformation`: `init` makes the rule's slot tables for every
+parameter, `update` checks every gradient leaf before anything changes,
+evaluates schedules at the update count, and steps each parameter through
+`leaf.masked_leaf_step` (every backend, row-sharded tables included). Its state
+`SparseRuleState` depends only on the rule and the flags, never on the params
+given to `init`, so `optax.tree.map_params` and `optax.inject_hyperparams` work.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, NamedTuple, get_args
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.experimental import sparse
+
+from optax_sparse_adam._core import bcoo, rounding, rules, sharding
+from optax_sparse_adam._core.errors import describe, flatten_grads, leaves_up_to, path_str
+from optax_sparse_adam._core.hyperparams import moment_dtype
+from optax_sparse_adam._optax import leaf
+from optax_sparse_adam._optax.state import check_param_steps
+
+
+class SparseRuleState(NamedTuple):
+  """State of `sparse_rule_transformation` (and of `sparse_sgd`, `sparse_adagrad`, ...).
+
+  Attributes:
+    count: int32 number of `update` calls, the input of schedules.
+    param_steps: int32 `(num_params,)`, each parameter's step count (in the
+      order of the params' leaves); a parameter whose gradient is None does not
+      advance.
+    slots: the rule's tables by slot name, each a tree like the params
+      (a per-row slot's leaves are `(num_rows,)`).
+    row_step: per parameter, int32 steps of each row with `per_row_steps=True`,
+      else None.
+  """
+
+  count: jax.Array  # type: ignore[assignment]
+  param_steps: jax.Array
+  slots: dict[str, optax.Updates]
+  row_step: optax.Updates | None = None
+
+
+_DENSE_TWIN = {"sparse_sgd": "optax.sgd", "sparse_adagrad": "optax.adagrad"}
+
+
+def check_grad_leaves(
+  grads_with_path: list[tuple[Any, Any]],
+  shapes: Sequence[tuple[int, ...] | None],
+  params: list[Any],
+  what: str = "sparse_adam",
+) -> None:
+  """Refuses a dense gradient, a BCOO of the wrong layout, or a param of another shape.
+
+  `shapes[i]` is the shape the state keeps for leaf i (None: known from the
+  gradient only). Runs over every leaf before anything is computed, so a bad
+  leaf fails the whole call and no state changes.
+  """
+  # The dense optimizer that matches, where optax has one.
+  dense = _DENSE_TWIN.get(what, "optax.adam")
+  for (path, grad), shape, param in zip(grads_with_path, shapes, params, strict=True):
+    if grad is None:
+      continue
+    if not isinstance(grad, sparse.BCOO):
+      raise TypeError(
+        f"{what} needs BCOO gradients, but the gradient at {path_str(path)} is "
+        f"dense ({describe(grad)}). If it comes from jax.grad through a table lookup "
+        "(table[ids]), differentiate with respect to the gathered rows instead and "
+        "build the BCOO: rows = table[ids]; row_grads = jax.grad(loss_of_rows)(rows); "
+        "grad = jax.experimental.sparse.BCOO((row_grads, ids[:, None]), "
+        "shape=table.shape). With Flax, optax_sparse_adam.sparse_value_and_grad does "
+        "this for osa.SparseEmbed / LinenSparseEmbed tables. If the parameter is not "
+        f"an embedding table, give it to {dense}, or route dense and sparse leaves "
+        f"apart with optax.multi_transform({{'sparse': {what}(...), "
+        f"'dense': {dense}(...)}}, labels). If it is wrapped in optax.MultiSteps, "
+        "which accumulates gradients densely, use optax_sparse_adam.sparse_multi_steps "
+        "instead."
+      )
+    if shape is None:
+      shape = tuple(grad.shape) if param is None else tuple(jnp.shape(param))
+    bcoo.row_layout(grad, shape, path)
+    if param is not None and tuple(jnp.shape(param)) != tuple(shape):
+      raise ValueError(
+        f"Parameter at {path_str(path)} has shape {tuple(jnp.shape(param))} but "
+        f"its optimizer state has shape {tuple(shape)}: pass the params "
+        "given to init (or re-init the state after reshaping them)."
+      )
+
+
+def advance_param_steps(
+  param_steps: jax.Array, grads_with_path: list[tuple[Any, Any]], indices: list[int | None]
+) -> jax.Array:
+  """`param_steps` with the parameters stepped now advanced by one (saturating)."""
+  stepped = np.zeros(param_steps.shape, bool)
+  for (_, grad), index in zip(grads_with_path, indices, strict=True):
+    if grad is not None and index is not None:
+      stepped[index] = True
+  return jnp.where(stepped, optax.safe_increment(param_steps), param_steps)
+
+
+def step_leaves(
+  grads_with_path: list[tuple[Any, Any]],
+  tables: list[rules.Tables],
+  steps: list[Any],
+  *,
+  rule: rules.RowRule,
+  config: rules.StepConfig,
+  hyper: Any,
+  opaque_zero: jax.Array | None,
+) -> tuple[list[Any], list[rules.Tables], list[Any]]:
+  """Steps every parameter whose gradient is not None: `(updates, tables, steps)` per leaf.
+
+  A None gradient leaves its parameter's tables and step as they are (update None).
+  """
+  new_updates: list[Any] = []
+  new_tables: list[rules.Tables] = []
+  new_steps: list[Any] = []
+  for (path, grad), leaf_tables, step in zip(grads_with_path, tables, steps, strict=True):
+    if grad is None:
+      new_updates.append(None)
+      new_tables.append(leaf_tables)
+      new_steps.append(step)
+      continue
+    result = leaf.masked_leaf_step(
+      grad,
+      leaf_tables,
+      step,
+      rule=rule,
+      config=config,
+      hyper=hyper,
+      path=path,
+      opaque_zero=opaque_zero,
+      # The update carries the gradient's BCOO metadata, so updates keep the gradients'
+      # tree structure: lax.cond wrappers such as optax.apply_if_finite need both branches
+      # to match.
+      update_flags=(grad.indices_sorted, grad.unique_indices),
+    )
+    new_updates.append(result.update)
+    new_tables.append(result.tables)
+    new_steps.append(result.step)
+  return new_updates, new_tables, new_steps
+
+
+def check_max_norm(
+  max_norm: Any, catch_up_idle_rows: bool = False, *, name: str = "sparse_adam"
+) -> float | None:
+  """`max_norm` as a float, or None; refused unless a positive number (and without catch-up)."""
+  if max_norm is None:
+    return None
+  if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not max_norm > 0:
+    raise ValueError(f"{name}: max_norm must be a positive float or None, got {max_norm!r}")
+  if catch_up_idle_rows:
+    raise ValueError(
+      f"{name}: max_norm does not compose with catch_up_idle_rows=True: the catch-up of "
+      "rows that are not stepped (catch_up_rows, catch_up_all_rows) does not renormalise. "
+      "Pass one of them."
+    )
+  return float(max_norm)
+
+
+def sparse_rule_transformation(
+  rule: rules.RowRule,
+  hyperparams: NamedTuple,
+  *,
+  maximize: bool = False,
+  weight_decay_mode: str = "l2",
+  slot_dtypes: dict[str, Any] | None = None,
+  per_row_steps: bool = False,
+  moment_rounding: rounding.MomentRounding = "nearest",
+  max_norm: float | None = None,
+  name: str = "sparse_rule_transformation",
+) -> optax.GradientTransformationExtraArgs:
+  r"""The optax transformation of a row rule, for BCOO gradients: masked, row by row.
+
+  For each parameter whose gradient is a `jax.experimental.sparse.BCOO`, with
+  :math:`g` the gradient after summing duplicate indices and :math:`r` the rows
+  it touches, the parameter's step counter advances and
+
+  .. math::
+    g_r &\leftarrow -g_r \text{ if maximize}; \quad g_r \mathrel{+}= \lambda \theta_r
+      \text{ (L2)} \\
+    \Delta_r, s_r &\leftarrow \text{rule.update}(g_r, s_r, t) \\
+    \Delta_r &\mathrel{-}= \alpha \lambda \theta_r \text{ (decoupled)}; \quad
+      \theta_r + \Delta_r \text{ scaled to norm max\_norm where above}
+
+  Every other row of the parameter and of the slots is left exactly as it was.
+  The rule runs on every backend (the XLA ops, the accelerator step, row-sharded
+  tables); a rule with a fused CPU kernel registered under its name runs it.
+
+  Args:
+    rule: a `RowRule` (a frozen dataclass with `name`, `slots()`, `update()`).
+    hyperparams: the rule's hyper-parameters, a NamedTuple with at least
+      `learning_rate` and `weight_decay`; each field a float, a 0-d array, or an
+      `optax.Schedule` of the update count (evaluated at every update).
+    maximize: ascend the objective instead of descending it.
+    weight_decay_mode: "l2" (added to the gradient before the rule) or
+      "decoupled" (subtracted after it, times the learning rate); a Python
+      zero `weight_decay` (or None) means none and reads no parameter.
+    slot_dtypes: a storage dtype by slot name (default: the parameter's).
+    per_row_steps: give each row its own step count (`RowBlock.step`).
+    moment_rounding: "nearest" or "stochastic", for bf16 slots.
+    max_norm: renormalise each touched row to at most this L2 norm after the
+      step (FBGEMM's `max_norm`); needs `params` in `update`.
+    name: the factory's name in error messages.
+
+  Returns:
+    An `optax.GradientTransformationExtraArgs` whose state is a
+    `SparseRuleState`; apply its BCOO updates with `optax_sparse_adam.apply_updates`.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from jax.experimental import sparse
+    >>> import optax_sparse_adam as osa
+    >>> rule, hyper = osa.SGDRule(), osa.SGDHyperparams(learning_rate=0.5)
+    >>> opt = osa.sparse_rule_transformation(rule, hyper)
+    >>> params = {"table": jnp.zeros((4, 2))}
+    >>> grad = sparse.BCOO((jnp.ones((1, 2)), jnp.array([[1]])), shape=(4, 2))
+    >>> updates, state = opt.update({"table": grad}, opt.init(params))
+    >>> osa.apply_updates(params, updates)["table"][1]
+    Array([-0.5, -0.5], dtype=float32)
+  """
+  if weight_decay_mode not in get_args(rules.WeightDecay):
+    raise ValueError(
+      f"{name}: unknown weight_decay_mode {weight_decay_mode!r}; expected one of "
+      f"{list(get_args(rules.WeightDecay))}"
+    )
+  max_norm = check_max_norm(max_norm, name=name)
+  for field in ("learning_rate", "weight_decay"):
+    if field not in getattr(hyperparams, "_fields", ()):
+      raise TypeError(
+        f"{name}: hyperparams must be a NamedTuple with a {field!r} field, got "
+        f"{type(hyperparams).__name__}"
+      )
+  rounding.check_rounding(moment_rounding)
+  slot_names = [slot.name for slot in rule.slots()]
+  dtypes = {}
+  for slot_name, dtype in (slot_dtypes or {}).items():
+    if slot_name not in slot_names:
+      raise ValueError(
+        f"{name}: slot_dtypes names {slot_name!r}, which the {rule.name!r} rule does not "
+        f"keep; its slots are {slot_names}"
+      )
+    dtypes[slot_name] = moment_dtype(dtype, f"slot_dtypes[{slot_name!r}]")
+  weight_decay = hyperparams.weight_decay  # type: ignore[attr-defined]
+  mode = "none"
+  if weight_decay_mode != "none" and not callable(weight_decay):
+    mode = leaf.weight_decay_mode(weight_decay, decoupled=weight_decay_mode == "decoupled")
+  elif weight_decay_mode != "none":
+    mode = weight_decay_mode
+  config = rules.StepConfig(
+    maximize=maximize,
+    weight_decay=mode,  # type: ignore[arg-type]
+    moment_rounding=moment_rounding,
+    max_norm=max_norm,
+  )
+
+  def init_fn(params: optax.Params) -> SparseRuleState:
+    leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path(params)
+    tables = []
+    for path, param in leaves_with_path:
+      bcoo.check_param_dtype(param, path)
+      rounding.check_slot_dtypes(moment_rounding, dtypes, param.dtype, path)
+      tables.append(rules.init_tables(rule, param, dtypes=dtypes, per_row_steps=per_row_steps))
+    replicated = sharding.replicated_like(*(leaf for _, leaf in leaves_with_path))
+    return SparseRuleState(
+      count=jnp.zeros([], jnp.int32, device=replicated),
+      param_steps=jnp.zeros(
+        [len(tables)], jnp.int32, device=sharding.replicated_vector(replicated)
+      ),
+      # Keys by the rule, not by what init was given (optax.tree.map_params).
+      slots={
+        slot_name: jax.tree_util.tree_unflatten(treedef, [t.slots[slot_name] for t in tables])
+        for slot_name in slot_names
+      },
+      row_step=jax.tree_util.tree_unflatten(treedef, [t.row_step for t in tables])
+      if per_row_steps
+      else None,
+    )
+
+  def update_fn(
+    updates: optax.Updates,
+    state: SparseRuleState,
+    params: optax.Params | None = None,
+    **extra_args: Any,
+  ) -> tuple[optax.Updates, SparseRuleState]:
+    del extra_args
+    grads_with_path, treedef = flatten_grads(updates)
+    paths = [path for path, _ in grads_with_path]
+    check_param_steps(
+      state.param_steps,
+      len(paths),
+      "the gradients",
+      " Pass the state that this transformation's init made for these params.",
+    )
+    if (state.row_step is None) == per_row_steps or set(state.slots) != set(slot_names):
+      raise ValueError(
+        f"{name}: the optimizer state has slots {sorted(state.slots)} and "
+        f"{'no ' if state.row_step is None else ''}row steps, but the {rule.name!r} rule "
+        f"keeps {sorted(slot_names)}{' and row steps' if per_row_steps else ''}: pass the "
+        "state that this transformation's init made."
+      )
+    slot_leaves = {
+      slot_name: leaves_up_to(treedef, tree, "optimizer state", paths)
+      for slot_name, tree in state.slots.items()
+    }
+    row_steps = leaves_up_to(treedef, state.row_step, "optimizer state", paths)
+    param_leaves = leaves_up_to(treedef, params, "params", paths)
+    full_width = [slot.name for slot in rule.slots() if not slot.per_row]
+    shapes = [
+      tuple(slot_leaves[full_width[0]][i].shape) if full_width else None for i in range(len(paths))
+    ]
+    check_grad_leaves(grads_with_path, shapes, param_leaves, name)
+
+    # Schedules are functions of the update count, as in optax.
+    hyper = type(hyperparams)(
+      *(value(state.count) if callable(value) else value for value in hyperparams)
+    )
+    opaque_zero = jnp.minimum(state.count, 0)  # products rounded before adds (adam.rounded)
+    tables = [
+      rules.Tables({n: slot_leaves[n][i] for n in slot_names}, row_steps[i], param)
+      for i, param in enumerate(param_leaves)
+    ]
+    new_updates, new_tables, _ = step_leaves(
+      grads_with_path,
+      tables,
+      [state.param_steps[i] for i in range(len(paths))],
+      rule=rule,
+      config=config,
+      hyper=hyper,
+      opaque_zero=opaque_zero,
+    )
+
+    indices: list[int | None] = list(range(len(paths)))
+    new_state = SparseRuleState(
+      count=optax.safe_increment(state.count),
+      param_steps=advance_param_steps(state.param_steps, grads_with_path, indices),
+      slots={n: treedef.unflatten([t.slots[n] for t in new_tables]) for n in slot_names},
+      row_step=(
+        None if state.row_step is None else treedef.unflatten([t.row_step for t in new_tables])
+      ),
+    )
+    return treedef.unflatten(new_updates), new_state
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -1,0 +1,161 @@
+"""`RuleOptimizer`: a torch optimizer over any row rule, driven by a declarative table.
+
+A subclass states, in a `TorchRule` table, torch's param-group defaults, the
+state_dict names of its per-parameter state (each a rule slot, or the step
+count), the checks torch makes (constructor, step) and how a group's options
+become the rule and its host-computed hyper-parameters. Everything else is
+shared: torch's `Optimizer` bookkeeping (`_optimizer`), the gradient checks and
+loading of arrays (`_sparse_adam`), and one jitted step over every parameter
+with a gradient (`_step.fused_rule_step`), donating the parameters and slots.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import sparse
+
+from optax_sparse_adam._core import rules
+from optax_sparse_adam.torch_compat import _step
+from optax_sparse_adam.torch_compat._hooks import with_step_hooks
+from optax_sparse_adam.torch_compat._optimizer import Optimizer, iter_params
+from optax_sparse_adam.torch_compat._parameter import Parameter
+from optax_sparse_adam.torch_compat._sparse_adam import (
+  _as_moment,
+  _as_step,
+  copy_shared_buffers,
+  grads_to_step,
+  loaded_state,
+)
+
+_OPAQUE_ZERO = np.zeros((), np.int32)
+
+
+class TorchRule(NamedTuple):
+  """How a torch optimizer maps onto a row rule: the adapter's whole table.
+
+  Attributes:
+    torch_name: the torch class, in messages ("SGD").
+    slots: torch's state_dict key of each rule slot, `{state key: slot name}`.
+    step_key: torch's state_dict key of the step count, or None (no count kept).
+    step_type: how the count is stored (`int`, or `float` as Adagrad's tensor).
+    eager_state: make every parameter's state in the constructor, as torch does.
+    check_group: `(group, where)`: torch's refusals at step time (before any change).
+    plan: `(group) -> (rule, StepConfig)`, static per group.
+    hyper: `(group, step, compute dtype) -> hyper-parameters` on the host.
+    slot_init: `(group, slot name) -> fill value` of a fresh slot.
+  """
+
+  torch_name: str
+  slots: dict[str, str]
+  step_key: str | None
+  step_type: type
+  eager_state: bool
+  check_group: Callable[[dict[str, Any], str], None]
+  plan: Callable[[dict[str, Any]], tuple[Any, rules.StepConfig]]
+  hyper: Callable[[dict[str, Any], int, Any], Any]
+  slot_init: Callable[[dict[str, Any], str], float]
+
+
+class RuleOptimizer(Optimizer):
+  """A `torch.optim` optimizer for `Parameter`s with BCOO gradients, from a `TorchRule`."""
+
+  TABLE: TorchRule
+
+  def __init__(self, params: Any, defaults: dict[str, Any]) -> None:
+    super().__init__(params, defaults)
+    if self.TABLE.eager_state:
+      for _, _, p in iter_params(self.param_groups):
+        self.state[p] = self._fresh_state(p, self._group_of(p))
+
+  def _check_param_group(self, param_group: dict[str, Any], index: int) -> None:
+    sparse_params = [
+      [index, i] for i, p in enumerate(param_group["params"]) if isinstance(p, sparse.BCOO)
+    ]
+    if sparse_params:
+      raise ValueError(
+        f"Sparse params at indices {sparse_params}: this {self.TABLE.torch_name} steps dense "
+        "parameters (optax_sparse_adam.torch_compat.Parameter) with sparse gradients"
+      )
+
+  def _group_of(self, param: Parameter) -> dict[str, Any]:
+    return next(g for g in self.param_groups if any(q is param for q in g["params"]))
+
+  def _fresh_state(self, param: Parameter, group: dict[str, Any]) -> dict[str, Any]:
+    table = self.TABLE
+    state: dict[str, Any] = {}
+    if table.step_key is not None:
+      state[table.step_key] = table.step_type(0)
+    for key, slot in table.slots.items():
+      state[key] = jnp.full_like(param.data, table.slot_init(group, slot))
+    return state
+
+  def _load_param_state(self, param: Parameter, value: Any, where: str) -> dict[str, Any]:
+    table = self.TABLE
+    keys = ([table.step_key] if table.step_key else []) + list(table.slots)
+    state = loaded_state(value, keys, table.torch_name, where)
+    if not state:
+      return {}
+    if table.step_key is not None:
+      state[table.step_key] = table.step_type(_as_step(value[table.step_key], where))
+    for key in table.slots:
+      state[key] = _as_moment(value[key], param, key, where)
+    return state
+
+  @with_step_hooks
+  def step(self, closure: Any = None) -> Any:
+    """Performs one optimization step of every parameter that has a gradient.
+
+    A parameter whose `.grad` is None is skipped; every gradient and every
+    group's options are checked before anything changes.
+
+    Args:
+      closure: an optional callable that recomputes the loss; called first.
+
+    Returns:
+      The closure's loss, or None.
+    """
+    loss = None if closure is None else closure()
+    table = self.TABLE
+    dense = (
+      f"this {table.torch_name} takes sparse (BCOO) gradients only ({{}}); give dense "
+      f"parameters to torch.optim.{table.torch_name} or an optax optimizer"
+    )
+
+    def checked_group(group: dict[str, Any], where: str) -> dict[str, Any]:
+      table.check_group(group, where)
+      return group
+
+    todo = grads_to_step(self.param_groups, dense.format, checked_group)
+    if not todo:
+      return loss
+
+    params, slots, grads, hypers, plans, steps = [], [], [], [], [], []
+    for p, _, group in todo:
+      state = self.state.get(p) or self._fresh_state(p, group)
+      step = (state[table.step_key] if table.step_key else 0) + 1
+      params.append(p.data)
+      slots.append({slot: state[key] for key, slot in table.slots.items()})
+      grads.append(p.grad)
+      hypers.append(table.hyper(group, int(step), _step.compute_dtype(p, p.grad)))
+      plans.append(table.plan(group))
+      steps.append(step)
+    copy_shared_buffers(params)
+    new_params, new_slots = _step.fused_rule_step(
+      params, slots, grads, hypers, _OPAQUE_ZERO, plans=tuple(plans)
+    )
+    for (p, _, group), data, slot_tables, step in zip(
+      todo, new_params, new_slots, steps, strict=True
+    ):
+      p.data = data
+      state = self.state.get(p) or self._fresh_state(p, group)
+      if table.step_key is not None:
+        state[table.step_key] = step
+      for key, slot in table.slots.items():
+        state[key] = slot_tables[slot]
+      if state:
+        self.state[p] = state
+    return loss

@@ -1,0 +1,123 @@
+"""`SGD`: `torch.optim.SGD` on sparse gradients, over JAX arrays (a `RuleOptimizer` table)."""
+
+from typing import Any
+
+import numpy as np
+
+from optax_sparse_adam._core import rules
+from optax_sparse_adam._core.row_rules.sgd import SGDHyperparams, SGDRule
+from optax_sparse_adam.torch_compat import _step
+from optax_sparse_adam.torch_compat._rule_optimizer import RuleOptimizer, TorchRule
+
+
+def _check_group(group: dict[str, Any], where: str) -> None:
+  """What torch refuses (or does densely) with sparse gradients, refused before any change."""
+  if group.get("fused"):
+    raise RuntimeError(f"`_fused_sgd` does not support sparse gradients ({where} has fused=True)")
+  if _step.lr_value(group["weight_decay"], f"{where}['weight_decay']") != 0:
+    raise RuntimeError(
+      "add(sparse, dense) is not supported. Use add(dense, sparse) instead. "
+      f"({where} has weight_decay={group['weight_decay']!r}: torch.optim.SGD refuses weight "
+      "decay with sparse gradients, as it would move every row. For a decay of the touched "
+      "rows only, use optax_sparse_adam.sparse_rowwise_adagrad(weight_decay_mode=...) or "
+      "sparse_adamw.)"
+    )
+  if _step.lr_value(group["momentum"], f"{where}['momentum']") != 0:
+    raise RuntimeError(
+      f"{where} has momentum={group['momentum']!r}: torch.optim.SGD's momentum is not lazy on "
+      "sparse gradients (its buffer moves every row it ever saw on every step, so the table "
+      "is updated densely), which this adapter does not do. Use momentum=0, "
+      "optax_sparse_adam.sparse_sgd(momentum=..., lazy_momentum=True) for a row-wise "
+      "momentum, or Adagrad/SparseAdam, whose state is lazy in torch too."
+    )
+
+
+def _hyper(group: dict[str, Any], step: int, dtype: Any) -> SGDHyperparams:
+  del step
+  lr = _step.lr_value(group["lr"], "lr")
+  return SGDHyperparams(learning_rate=np.asarray(lr, np.float64).astype(dtype))
+
+
+_TABLE = TorchRule(
+  torch_name="SGD",
+  slots={},
+  step_key=None,
+  step_type=int,
+  eager_state=False,
+  check_group=_check_group,
+  plan=lambda group: (SGDRule(), rules.StepConfig(maximize=bool(group["maximize"]))),
+  hyper=_hyper,
+  slot_init=lambda group, slot: 0.0,
+)
+
+
+class SGD(RuleOptimizer):
+  r"""`torch.optim.SGD` for `Parameter`s holding JAX arrays and BCOO gradients.
+
+  For each parameter with a gradient, with :math:`g` the gradient with
+  duplicate indices summed and :math:`r` the rows it touches,
+  :math:`\theta_r \leftarrow \theta_r - \alpha g_r` (ascending with `maximize`),
+  and nothing else changes: torch's SGD on a sparse gradient. It keeps no
+  state. torch applies an uncoalesced gradient entry by entry: a row with
+  duplicate ids then differs from torch's in the last bits.
+
+  Options torch refuses with sparse gradients (`weight_decay`, `fused=True`)
+  are refused with torch's words at `step()`, before anything changes, and so is
+  `momentum`, which torch runs densely on sparse gradients (see
+  `optax_sparse_adam.sparse_sgd(lazy_momentum=True)` for a row-wise one).
+
+  Args:
+    params: an iterable of `Parameter`s, of `(name, Parameter)` pairs, or of
+      param-group dicts.
+    lr: learning rate.
+    momentum: must be 0 at `step()` (see above).
+    dampening: no effect without momentum (as in torch).
+    weight_decay: must be 0 at `step()` (torch raises).
+    nesterov: needs momentum (torch's constructor check).
+    maximize: ascend the objective instead of descending it.
+    foreach: accepted, no effect (torch's sparse path ignores it too).
+    differentiable: accepted, no effect.
+    fused: must not be True at `step()` (torch raises).
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> import optax_sparse_adam.torch_compat as tc
+    >>> from jax.experimental.sparse import BCOO
+    >>> table = tc.Parameter(jnp.ones((4, 2)))
+    >>> table.grad = BCOO((jnp.ones((2, 2)), jnp.array([[2], [2]])), shape=(4, 2))  # id 2 twice
+    >>> tc.SGD([table], lr=0.25).step()
+    >>> table.data[2]
+    Array([0.5, 0.5], dtype=float32)
+
+  References:
+    `torch.optim.SGD`, https://pytorch.org/docs/stable/generated/torch.optim.SGD.html
+  """
+
+  TABLE = _TABLE
+
+  def __init__(
+    self,
+    params: Any,
+    lr: Any = 1e-3,
+    momentum: float = 0,
+    dampening: float = 0,
+    weight_decay: float = 0,
+    nesterov: bool = False,
+    *,
+    maximize: bool = False,
+    foreach: bool | None = None,
+    differentiable: bool = False,
+    fused: bool | None = None,
+  ) -> None:
+    # torch's constructor checks, in its order and wording.
+    if lr < 0.0:
+      raise ValueError(f"Invalid learning rate: {lr}")
+    if momentum < 0.0:
+      raise ValueError(f"Invalid momentum value: {momentum}")
+    if weight_decay < 0.0:
+      raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+    if nesterov and (momentum <= 0 or dampening != 0):
+      raise ValueError("Nesterov momentum requires a momentum and zero dampening")
+    # torch's param-group defaults: every argument but the params, by its name.
+    defaults = {k: v for k, v in locals().items() if k not in ("self", "params", "__class__")}
+    super().__init__(params, defaults)
