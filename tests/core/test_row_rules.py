@@ -297,6 +297,16 @@ def test_bad_gradients_fail_before_any_state_changes(make):
     (lambda: osa.sparse_adagrad(0.1, weight_decay=0.1), "not compatible with sparse gradients"),
     (lambda: osa.sparse_rowwise_adagrad(max_norm=-1.0), "max_norm must be a positive"),
     (
+      lambda: osa.sparse_sgd(0.1, momentum=0.9, lazy_momentum=True, catch_up_idle_rows=True),
+      "catch_up_idle_rows=True with momentum is not implemented",
+    ),
+    (
+      lambda: osa.sparse_rowwise_adagrad(
+        weight_decay=0.1, weight_decay_mode="l2", catch_up_idle_rows=True
+      ),
+      "catch_up_idle_rows=True with weight_decay_mode='l2' is not implemented",
+    ),
+    (
       lambda: osa.sparse_rule_transformation(
         SignRule(), SignHyper(0.1), slot_dtypes={"nu": "bfloat16"}
       ),
