@@ -30,6 +30,17 @@ for the whole train step (lookup, gradient, update, apply; the lookup is
 `osa.sharded_lookup`, which is `table[ids]` where routing is off).
 
   python -m benchmarks.bench_sharded --weak-scaling     # a few minutes
+
+Skew (`--skew`): the routed train step (`osa.sharded_lookup`, gradient, update,
+apply) with 2048 ids per device on N = 2, 4, 8 forced CPU devices, uniform ids and
+Zipf ids (exponents 1.05, 1.2) over a vocabulary sorted by frequency (id 0 the
+hottest), the rows placed in blocks and cyclically (`row_placement="cyclic"`):
+the share of steps that overflowed (`osa.routing_stats`), bytes per device per
+step (the routed path's, plus the overflow path's on the steps that took it),
+and step times as ratios within one N. Then (`--compile-devices`) the routed
+train step compiled, not run, for N up to 64: its bytes per device.
+
+  python -m benchmarks.bench_sharded --skew              # a few minutes
 """
 
 import os
@@ -76,7 +87,15 @@ def parse_args():
   parser.add_argument("--weak-scaling", action="store_true", help="the weak-scaling mode")
   parser.add_argument("--local-batch", type=int, default=2048, help="ids per device (weak scaling)")
   parser.add_argument("--ids", choices=("uniform", "zipf"), default="uniform")
+  parser.add_argument("--skew", action="store_true", help="the skewed-ids mode")
+  parser.add_argument("--skew-steps", type=int, default=8, help="batches per workload (skew)")
+  parser.add_argument(
+    "--compile-devices", type=int, nargs="*", default=[2, 4, 8, 16, 32, 64], help="(skew)"
+  )
+  parser.add_argument("--plot", default=None, help="(skew) draw bytes per device vs N here (png)")
   parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+  parser.add_argument("--skew-worker", action="store_true", help=argparse.SUPPRESS)
+  parser.add_argument("--compile-only", action="store_true", help=argparse.SUPPRESS)
   return parser.parse_args()
 
 
@@ -370,10 +389,232 @@ def weak_scaling(args):
   )
 
 
+SKEW_IDS = {"uniform": None, "zipf 1.05": 1.05, "zipf 1.2": 1.2}
+
+
+def sorted_zipf(exponent, rows, size, rng):
+  """Ids of a vocabulary sorted by frequency: uniform (exponent None) or Zipf, id 0 hottest."""
+  if exponent is None:
+    return rng.integers(0, rows, size).astype(np.int32)
+  cdf = np.cumsum(1.0 / np.arange(1, rows + 1) ** exponent)
+  return np.minimum(np.searchsorted(cdf, rng.random(size) * cdf[-1]), rows - 1).astype(np.int32)
+
+
+def skew_worker(args):
+  """One N: per placement and ids, overflowing steps, bytes per device and step times."""
+  from optax_sparse_adam._core import routed
+
+  num_devices = jax.device_count()
+  batch = num_devices * args.local_batch
+  mesh = jax.make_mesh((num_devices,), ("x",), axis_types=(AxisType.Auto,))
+  optimizer = osa.sparse_adam(1e-3)
+  step = routed_train_step(optimizer)
+  put_table = lambda x: jax.device_put(x, NamedSharding(mesh, P("x", None)))  # noqa: E731
+  put_batch = lambda x: jax.device_put(x, NamedSharding(mesh, P("x")))  # noqa: E731
+  if args.compile_only:
+    with osa.sharded_routing(row_placement="cyclic"):
+      table = jax.ShapeDtypeStruct(
+        (args.rows, args.dim), jnp.float32, sharding=NamedSharding(mesh, P("x", None))
+      )
+      state = jax.eval_shape(optimizer.init, {"table": table})
+
+      def spec(x):  # arrays with a row per table row split like it, counters replicated
+        split = x.ndim and x.shape[0] == args.rows
+        return P("x", *[None] * (x.ndim - 1)) if split else P()
+
+      state = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, spec(x))),
+        state,
+      )
+      ids = jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=NamedSharding(mesh, P("x")))
+      hlo = (
+        jax.jit(step).lower(table, state, ids, ids.update(dtype=jnp.float32)).compile().as_text()
+      )
+    print(
+      json.dumps(
+        {"devices": num_devices, "bytes": collective_bytes(hlo, skip_scope=routed.OVERFLOW_SCOPE)}
+      )
+    )
+    return
+  rng = np.random.default_rng(0)
+  table0 = rng.normal(size=(args.rows, args.dim)).astype(np.float32)
+  workloads = {
+    kind: [
+      (sorted_zipf(exponent, args.rows, batch, rng), rng.normal(size=batch).astype(np.float32))
+      for _ in range(args.skew_steps + 1)
+    ]
+    for kind, exponent in SKEW_IDS.items()
+  }
+  setups = {}
+  for placement in ("block", "cyclic"):
+    with osa.sharded_routing(row_placement=placement):
+      initial = osa.to_cyclic_rows(table0, num_devices) if placement == "cyclic" else table0
+      jitted = jax.jit(step, donate_argnums=(0, 1))
+      table = put_table(initial)
+      state = optimizer.init({"table": table})
+      first = [put_batch(x) for x in workloads["uniform"][0]]
+      hlo = jitted.lower(table, state, *first).compile().as_text()
+      routed_bytes = collective_bytes(hlo, skip_scope=routed.OVERFLOW_SCOPE)
+      setups[placement] = [jitted, table, state, routed_bytes, collective_bytes(hlo) - routed_bytes]
+  placed = {kind: [[put_batch(x) for x in b] for b in bs] for kind, bs in workloads.items()}
+  seconds = {(p, k): [] for p in setups for k in placed}
+  counts = {(p, k): np.zeros(3) for p in setups for k in placed}
+  # Rounds interleave the workloads (one step each, the first a warm-up), so the machine's
+  # load falls alike on every one; each step's overflow counted on its own.
+  for round_index in range(args.skew_steps + 1):
+    for placement, setup in setups.items():
+      for kind, batches in placed.items():
+        jitted, table, state = setup[:3]
+        osa.routing_stats(reset=True)
+        start = time.perf_counter()
+        with osa.sharded_routing(row_placement=placement):  # the switch is in the cache key
+          table, state = jitted(table, state, *batches[round_index % len(batches)])
+        jax.block_until_ready(table)
+        elapsed = time.perf_counter() - start
+        stats = osa.routing_stats(reset=True)
+        setup[1], setup[2] = table, state
+        if round_index:
+          seconds[placement, kind].append(elapsed)
+          counts[placement, kind] += (stats.steps, stats.overflowed_steps, stats.overflowed_lookups)
+  results = []
+  for (placement, kind), (steps, steps_over, lookups_over) in counts.items():
+    routed_bytes, overflow_bytes = setups[placement][3:]
+    results.append(
+      {
+        "placement": placement,
+        "ids": kind,
+        "overflowed_steps": steps_over / steps,
+        "overflowed_lookups": lookups_over / steps,
+        "routed_bytes": routed_bytes,
+        # The lookup and the step overflow apart: half the overflow path's bytes each.
+        "bytes": routed_bytes + (steps_over + lookups_over) / 2 / steps * overflow_bytes,
+        "ms": 1e3 * statistics.median(seconds[placement, kind]),
+      }
+    )
+  print(json.dumps({"devices": num_devices, "runs": results}))
+
+
+def skew(args):
+  """Runs one skew worker per N, then the compile-only workers, and prints the tables."""
+
+  def worker(num_devices, *extra):
+    env = dict(
+      os.environ,
+      XLA_FLAGS=f"--xla_force_host_platform_device_count={num_devices}",
+      JAX_PLATFORMS="cpu",
+    )
+    command = [sys.executable, "-m", "benchmarks.bench_sharded", "--skew-worker", *extra]
+    command += ["--rows", str(args.rows), "--dim", str(args.dim)]
+    command += ["--local-batch", str(args.local_batch), "--skew-steps", str(args.skew_steps)]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+      raise RuntimeError(f"the worker for N={num_devices} failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+  local_batch_bytes = args.local_batch * (4 + 4 * args.dim)
+  print(
+    f"\nSkewed ids: routed train step (sharded_lookup, grad, update, apply), table "
+    f"{args.rows} x {args.dim} float32 split P('x', None), {args.local_batch} ids per device, "
+    f"{args.skew_steps} batches per line; one local batch of entries = "
+    f"{local_batch_bytes / 1e6:.2f} MB; bytes: per device per step, the overflow path's "
+    "counted on the steps that took it; ms: median over interleaved rounds, a ratio to "
+    "uniform ids in blocks within the same N\n"
+  )
+  header = (
+    f"{'placement':<9} {'ids':<9} {'N':>2} | {'overflowed':>10} | {'MB/dev':>7} "
+    f"{'x local batch':>13} | {'ms':>7} {'vs uniform block':>16}"
+  )
+  print(header)
+  print("-" * len(header))
+  reports = [worker(n) for n in (2, 4, 8)]
+  for placement in ("block", "cyclic"):
+    for kind in SKEW_IDS:
+      for report in reports:
+        runs = {(r["placement"], r["ids"]): r for r in report["runs"]}
+        run, base = runs[placement, kind], runs["block", "uniform"]
+        print(
+          f"{placement:<9} {kind:<9} {report['devices']:>2} | "
+          f"{100 * run['overflowed_steps']:>9.0f}% | {run['bytes'] / 1e6:>7.3f} "
+          f"{run['bytes'] / local_batch_bytes:>12.2f}x | {run['ms']:>7.1f} "
+          f"{run['ms'] / base['ms']:>15.2f}x"
+        )
+  for placement in ("block", "cyclic"):
+    for kind in SKEW_IDS:
+      by_n = {
+        r["devices"]: next(x for x in r["runs"] if (x["placement"], x["ids"]) == (placement, kind))
+        for r in reports
+      }
+      print(f"{placement} {kind}: bytes N=8 / N=2 {by_n[8]['bytes'] / by_n[2]['bytes']:.2f}x")
+  if args.compile_devices:
+    compiled = [worker(n, "--compile-only") for n in args.compile_devices]
+    print(
+      "\ncompiled routed train step (cyclic; the routed path, as for blocks), bytes per device:"
+    )
+    for report in compiled:
+      print(
+        f"  N = {report['devices']:>2}: {report['bytes'] / 1e6:.3f} MB = "
+        f"{report['bytes'] / local_batch_bytes:.2f}x local batch, "
+        f"{report['bytes'] / compiled[0]['bytes']:.2f}x N = {compiled[0]['devices']}"
+      )
+  found = {"skew": reports, "compiled": compiled if args.compile_devices else []}
+  print(json.dumps(found))
+  if args.plot:
+    plot_skew(found, local_batch_bytes, args)
+
+
+def plot_skew(found, local_batch_bytes, args):
+  """Bytes per device per step against N, per placement and ids; the compiled routed path."""
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  fig, ax = plt.subplots(figsize=(7, 4.2))
+  styles = {"uniform": "o", "zipf 1.05": "s", "zipf 1.2": "^"}
+  for placement, line in (("block", "--"), ("cyclic", "-")):
+    for kind, marker in styles.items():
+      points = [
+        (r["devices"], x["bytes"] / local_batch_bytes)
+        for r in found["skew"]
+        for x in r["runs"]
+        if (x["placement"], x["ids"]) == (placement, kind)
+      ]
+      ax.plot(*zip(*points, strict=True), line, marker=marker, label=f"{placement}, {kind} ids")
+  if found["compiled"]:
+    points = [(r["devices"], r["bytes"] / local_batch_bytes) for r in found["compiled"]]
+    ax.plot(
+      *zip(*points, strict=True),
+      ":",
+      color="gray",
+      marker=".",
+      label="compiled routed path (compile only)",
+    )
+  ax.set_xscale("log", base=2)
+  ax.set_yscale("log")
+  ax.set_xlabel("devices N (forced CPU devices)")
+  ax.set_ylabel("bytes per device per step / one local batch")
+  ax.set_title(
+    f"routed train step, {args.local_batch} ids per device, {args.rows} x {args.dim} table, "
+    "frequency-sorted vocabulary",
+    fontsize=9,
+  )
+  ax.grid(True, alpha=0.3)
+  ax.legend(fontsize=8)
+  fig.tight_layout()
+  fig.savefig(args.plot, dpi=110)
+  print(f"wrote {args.plot}")
+
+
 def main():
   args = parse_args()
   if args.worker:
     weak_scaling_worker(args)
+    return
+  if args.skew_worker:
+    skew_worker(args)
+    return
+  if args.skew:
+    skew(args)
     return
   if args.weak_scaling:
     weak_scaling(args)

@@ -1,18 +1,26 @@
-"""How often a routed step overflows, by capacity, id distribution, local batch and devices.
+"""How often a routed step overflows, by row placement, id distribution, local batch and devices.
 
 A routed step (docs/sharding.md) gives each owner a fixed number of slots per
 device, the capacity (`routing.capacity`); a step overflows when some device
-holds more distinct rows of one owner than that. This counts it in NumPy,
-as the step does (distinct ids of each device's local batch, by owner, against
-the capacity), for uniform and Zipf ids, over many random batches, for the
-default capacity and fixed capacity factors (Zipf ids also with their hot rows
-spread over the owners). It also prints the bytes one
-all-to-all sends per device as a multiple of one local batch of entries (ids
-and rows: `N * capacity / b`, the same for every row width). No devices are
-needed, and the counts are deterministic (fixed seeds).
+holds more distinct rows of one owner than that, and then all-gathers every
+device's entries. This counts it in NumPy, as the step does (distinct ids of
+each device's local batch, by owner, against the capacity), over many random
+batches, for uniform ids and Zipf ids over a vocabulary sorted by frequency
+(id 0 the most frequent, as real vocabularies are built), with the rows placed
+in blocks (`P(axis, None)` as is: every hot row on device 0) or cyclically
+(`sharded_routing(row_placement="cyclic")`: row `r` on device `r % N`).
 
-  python -m benchmarks.overflow_rates              # a few seconds
-  python -m benchmarks.overflow_rates --steps 2000
+Per line: the share of overflowing steps with the default capacity and with
+`capacity_factor=2`; `need`: the most distinct rows a device held for one owner
+over all batches, as a multiple of the even share `b / N` (the capacity that
+would never have overflowed); `bytes`: what a device sends per step, as a
+multiple of one local batch of entries (ids and rows), routed `N * capacity /
+b`, plus, for the overflowing share of steps, the overflow path's all-gather,
+reduce-scatter and apply (about `3 N` local batches).
+No devices are needed, and the counts are deterministic (fixed seeds).
+
+  python -m benchmarks.overflow_rates              # about a minute
+  python -m benchmarks.overflow_rates --steps 500 --rows 262144
 """
 
 import argparse
@@ -21,62 +29,73 @@ import numpy as np
 
 from optax_sparse_adam._core import routing
 
-CAPACITIES = {"default": None, "cf 1.5": 1.5, "cf 2": 2.0}
+KINDS = {"uniform": None, "zipf 1.05": 1.05, "zipf 1.2": 1.2}
+PLACEMENTS = ("block", "cyclic")
 
 
-def batches(
-  kind: str, rows: int, size: int, steps: int, num_devices: int, rng: np.random.Generator
-):
-  """`steps` global batches of `size` ids: uniform; Zipf (exponent 1.05; the low ids hot,
-  all on the first owner); or Zipf with the hot rows spread over the owners (row `r`
-  stored at `(r % N) * (rows / N) + r // N`, as docs/sharding.md suggests)."""
-  if kind == "uniform":
+def batches(exponent, rows: int, size: int, steps: int, rng: np.random.Generator) -> np.ndarray:
+  """`steps` global batches of `size` ids: uniform (exponent None) or Zipf, id 0 the hottest."""
+  if exponent is None:
     return rng.integers(0, rows, (steps, size))
-  popularity = 1.0 / np.arange(1, rows + 1) ** 1.05
-  ids = rng.choice(rows, (steps, size), p=popularity / popularity.sum())
-  if kind == "zipf":
-    return ids
-  return (ids % num_devices) * (rows // num_devices) + ids // num_devices
+  cdf = np.cumsum(1.0 / np.arange(1, rows + 1) ** exponent)
+  return np.minimum(np.searchsorted(cdf, rng.random((steps, size)) * cdf[-1]), rows - 1)
 
 
-def max_bucket(ids: np.ndarray, rows: int, num_devices: int) -> int:
+def max_bucket(ids: np.ndarray, rows: int, num_devices: int, placement: str) -> int:
   """The most distinct rows one device holds for one owner, in one global batch."""
-  per_owner = rows // num_devices
-  return max(
-    int(np.max(np.bincount(np.unique(local) // per_owner, minlength=num_devices)))
-    for local in ids.reshape(num_devices, -1)
-  )
+  worst = 0
+  for local in ids.reshape(num_devices, -1):
+    distinct = np.unique(local)
+    owner = distinct % num_devices if placement == "cyclic" else distinct // (rows // num_devices)
+    worst = max(worst, int(np.max(np.bincount(owner, minlength=num_devices))))
+  return worst
+
+
+def rates(exponent, rows: int, local: int, num_devices: int, steps: int) -> dict:
+  """Per placement: (overflow % default, overflow % cf 2, need, bytes default, bytes cf 2)."""
+  rng = np.random.default_rng(num_devices * 1000 + local + rows)
+  ids = batches(exponent, rows, local * num_devices, steps, rng)
+  out = {}
+  for placement in PLACEMENTS:
+    worst = np.array([max_bucket(step, rows, num_devices, placement) for step in ids])
+    cells = []
+    for factor in (None, 2.0):
+      capacity = routing.capacity(local, num_devices, factor)
+      share = float(np.mean(worst > capacity))
+      routed = num_devices * capacity / local
+      cells.append((100.0 * share, routed + share * 3 * num_devices))
+    need = float(worst.max()) / (local / num_devices)
+    out[placement] = (cells[0][0], cells[1][0], need, cells[0][1], cells[1][1])
+  return out
 
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--rows", type=int, default=262144)
-  parser.add_argument("--steps", type=int, default=500)
-  parser.add_argument("--local-batches", type=int, nargs="+", default=[256, 2048])
+  parser.add_argument("--rows", type=int, nargs="+", default=[262_144, 1_048_576])
+  parser.add_argument("--steps", type=int, default=200)
+  parser.add_argument("--local-batches", type=int, nargs="+", default=[2048, 8192])
+  parser.add_argument("--devices", type=int, nargs="+", default=[2, 4, 8])
   args = parser.parse_args()
   print(
-    f"table of {args.rows} rows split by rows over N devices; {args.steps} random batches "
-    "per line; overflowing steps in percent; bytes: one all-to-all per device, as a "
-    "multiple of one local batch of entries\n"
+    f"{args.steps} random batches per line; overflowing steps in percent; need: the most "
+    "distinct rows of one owner on one device / the even share; bytes: sent per device per "
+    "step / one local batch of entries (overflowing steps counted at 3 N)\n"
   )
-  names = list(CAPACITIES)
-  header = f"{'ids':<11} {'b':>5} {'N':>2} | " + " | ".join(
-    f"{name:>8} {'slots':>5} {'bytes':>6}" for name in names
+  header = f"{'ids':<9} {'V':>7} {'b':>5} {'N':>2} | " + " | ".join(
+    f"{p}: {'default':>7} {'cf 2':>6} {'need':>5} {'bytes':>6} {'cf2 B':>6}" for p in PLACEMENTS
   )
   print(header)
   print("-" * len(header))
-  for kind in ("uniform", "zipf", "zipf_spread"):
-    for local in args.local_batches:
-      for num_devices in (2, 4, 8):
-        rng = np.random.default_rng(num_devices * 1000 + local)
-        steps = batches(kind, args.rows, local * num_devices, args.steps, num_devices, rng)
-        worst = np.array([max_bucket(ids, args.rows, num_devices) for ids in steps])
-        cells = []
-        for factor in CAPACITIES.values():
-          capacity = routing.capacity(local, num_devices, factor)
-          rate = 100.0 * float(np.mean(worst > capacity))
-          cells.append(f"{rate:>7.1f}% {capacity:>5} {num_devices * capacity / local:>5.2f}x")
-        print(f"{kind:<11} {local:>5} {num_devices:>2} | " + " | ".join(cells))
+  for kind, exponent in KINDS.items():
+    for rows in args.rows:
+      for local in args.local_batches:
+        for num_devices in args.devices:
+          found = rates(exponent, rows, local, num_devices, args.steps)
+          cells = [
+            f"{p}: {d:>6.1f}% {c:>5.1f}% {need:>5.2f} {b:>5.2f}x {b2:>5.2f}x"
+            for p, (d, c, need, b, b2) in found.items()
+          ]
+          print(f"{kind:<9} {rows:>7} {local:>5} {num_devices:>2} | " + " | ".join(cells))
 
 
 if __name__ == "__main__":

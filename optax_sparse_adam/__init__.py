@@ -14,6 +14,10 @@ from optax_sparse_adam._backends.cpu.kernels import available as cpu_kernels_ava
 from optax_sparse_adam._backends.cpu.kernels import use_cpu_kernels as use_cpu_kernels
 from optax_sparse_adam._core.coalesce import coalesce_rows as coalesce_rows
 from optax_sparse_adam._core.lookup import sharded_lookup as sharded_lookup
+from optax_sparse_adam._core.overflow import RoutingStats as RoutingStats
+from optax_sparse_adam._core.overflow import routing_stats as routing_stats
+from optax_sparse_adam._core.placement import from_cyclic_rows as from_cyclic_rows
+from optax_sparse_adam._core.placement import to_cyclic_rows as to_cyclic_rows
 from optax_sparse_adam._core.routed import sharded_routing as sharded_routing
 from optax_sparse_adam._core.row_rules.adagrad import AdagradHyperparams as AdagradHyperparams
 from optax_sparse_adam._core.row_rules.adagrad import AdagradRule as AdagradRule
@@ -59,6 +63,7 @@ __all__ = (
   "AdamCoefficients",
   "HugePageAdvice",
   "LeafState",
+  "RoutingStats",
   "RowBlock",
   "RowBuffer",
   "RowRule",
@@ -76,8 +81,10 @@ __all__ = (
   "catch_up_rows",
   "check_sparse_grads",
   "coalesce_rows",
+  "from_cyclic_rows",
   "cpu_kernels_available",
   "lift_to_bcoo",
+  "routing_stats",
   "sharded_lookup",
   "sharded_routing",
   "sparse_adagrad",
@@ -90,6 +97,7 @@ __all__ = (
   "sparse_rowwise_adagrad",
   "sparse_rule_transformation",
   "sparse_sgd",
+  "to_cyclic_rows",
   "use_cpu_kernels",
 )
 

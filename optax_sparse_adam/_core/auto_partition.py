@@ -36,7 +36,7 @@ import jax.numpy as jnp
 from jax.experimental import sparse
 from jax.sharding import NamedSharding, PartitionSpec
 
-from optax_sparse_adam._core import bcoo, partitioned, routed, routing
+from optax_sparse_adam._core import bcoo, overflow, partitioned, routed, routing
 from optax_sparse_adam._core.rules import RowsStep, StepInputs, StepPlan, Tables
 
 
@@ -55,7 +55,8 @@ def plan_step(grad: sparse.BCOO, tables: Tables, plan: StepPlan) -> routed.Plan 
   capacity = routing.capacity(grad.nse // num_shards, num_shards, routed.current().capacity_factor)
   if not routing.int32_fits(grad.shape[0], num_shards * num_shards * capacity):
     return None
-  return routed.Plan(axis, None, num_shards, capacity)
+  routed.check_placement(plan, [], "step")
+  return routed.Plan(axis, None, num_shards, capacity, routed.is_cyclic())
 
 
 def plan_apply(param: jax.Array, update: sparse.BCOO) -> routed.Plan | None:
@@ -64,7 +65,7 @@ def plan_apply(param: jax.Array, update: sparse.BCOO) -> routed.Plan | None:
   if found is None:
     return None
   axis, num_shards = found
-  return routed.Plan(axis, None, num_shards, 0)
+  return routed.Plan(axis, None, num_shards, 0, routed.is_cyclic())
 
 
 def _split_axis(tables: list[jax.Array], entries: sparse.BCOO) -> tuple[str, int] | None:
@@ -117,8 +118,8 @@ def masked_step(
       full[i] = array
     return jax.tree.unflatten(treedef, full)
 
-  def flat(result: RowsStep) -> tuple[jax.Array, ...]:
-    return (result.rows, result.delta, *jax.tree.leaves(result.tables))
+  def flat(result: RowsStep, flag: jax.Array) -> tuple[jax.Array, ...]:
+    return (result.rows, result.delta, *jax.tree.leaves(result.tables), flag)
 
   def whole_step(*arrays: jax.Array) -> tuple[jax.Array, ...]:
     # The whole rows; the whole columns too, or a block of them (`partitioned.columns`).
@@ -130,10 +131,10 @@ def masked_step(
     delta = jnp.concatenate(
       [result.delta, jnp.zeros((pad,) + result.delta.shape[1:], result.delta.dtype)]
     )
-    return flat(result._replace(rows=rows, delta=delta))
+    return flat(result._replace(rows=rows, delta=delta), jnp.int32(overflow.NOT_ROUTED))
 
   def routed_step(*arrays: jax.Array) -> tuple[jax.Array, ...]:
-    return flat(routed.masked_step(rebuild(arrays), plan, route=route, local_step=local_step))
+    return flat(*routed.flagged_step(rebuild(arrays), plan, route=route, local_step=local_step))
 
   probe = rebuild(list(range(len(operands))))  # which operand is what
   entry_ids: set[int] = {probe.rows, probe.values}  # type: ignore[arg-type]  # ints in the probe
@@ -147,19 +148,24 @@ def masked_step(
   def partition(mesh, arg_shapes, result_shape):
     kinds = {partitioned.layout(arg_shapes[i].sharding, axis) for i in table_ids}
     columns = partitioned.columns([arg_shapes[i] for i in table_ids]) if by_columns else None
+    if route.cyclic and not (kinds == {partitioned.ROWS} and mesh.shape[axis] == num_shards):
+      _refuse_cyclic("step", axis)
     if kinds == {partitioned.ROWS} and mesh.shape[axis] == num_shards:
       in_specs = [
         partitioned.row_spec(axis, s.ndim) if i in entry_ids | table_ids else PartitionSpec()
         for i, s in enumerate(arg_shapes)
       ]
-      out_specs = [partitioned.row_spec(axis, s.ndim) for s in result_shape]
+      out_specs = [partitioned.row_spec(axis, s.ndim) for s in result_shape[:-1]]
+      out_specs.append(PartitionSpec())  # the overflow flag
       body = routed_step
     elif columns is not None:  # the rows whole, the columns split: each device its columns
       in_specs = [
         columns if i in table_ids | {probe.values} and s.ndim > 1 else PartitionSpec()
         for i, s in enumerate(arg_shapes)
       ]
-      out_specs = [PartitionSpec(), columns] + [in_specs[i] for i in carried_ids]
+      out_specs = (
+        [PartitionSpec(), columns] + [in_specs[i] for i in carried_ids] + [PartitionSpec()]
+      )
       body = whole_step
     else:
       if kinds != {partitioned.WHOLE}:
@@ -182,11 +188,13 @@ def masked_step(
     carried_ids=carried_ids,
     entry_ids=entry_ids,
     entries_split=False,
+    flags=1,
   )
   out = partitioned.call(whole_step, operands, partition, rule)
   new_tables = jax.tree.unflatten(
-    jax.tree.structure(inputs.tables._replace(param=None)), list(out[2:])
+    jax.tree.structure(inputs.tables._replace(param=None)), list(out[2:-1])
   )
+  overflow.note(overflow.STEP, out[-1])
   return RowsStep(out[0], out[1], new_tables)
 
 
@@ -228,10 +236,13 @@ def scatter_add(
 
   def partition(mesh, arg_shapes, result_shape):
     param_shape = arg_shapes[0]
-    if (
+    rows_split = (
       partitioned.layout(param_shape.sharding, axis) == partitioned.ROWS
       and mesh.shape[axis] == plan.num_shards
-    ):
+    )
+    if plan.cyclic and not rows_split:
+      _refuse_cyclic("apply", axis)
+    if rows_split:
       specs = [partitioned.row_spec(axis, s.ndim) for s in arg_shapes]
       body, out_spec = routed_add, partitioned.row_spec(axis, param_shape.ndim)
     elif (columns := partitioned.columns([param_shape])) is not None:
@@ -268,7 +279,7 @@ def lookup(
   ids: jax.Array,
   *,
   plan: routed.Plan,
-  routed_lookup: Callable[[jax.Array, jax.Array], jax.Array],
+  routed_lookup: Callable[[jax.Array, jax.Array], tuple[jax.Array, jax.Array]],
   whole_lookup: Callable[[jax.Array, jax.Array], jax.Array],
 ) -> jax.Array:
   """`table[ids]`: `routed_lookup` per shard where the partitioner splits `table` by rows.
@@ -277,7 +288,8 @@ def lookup(
     table: `(num_rows, ...)`.
     ids: `(batch,)` integer ids.
     plan: a `routed.Plan` without a mesh.
-    routed_lookup: the routed lookup of a shard's table and ids (axis bound).
+    routed_lookup: the routed lookup of a shard's table and ids (axis bound), and its
+      overflow flag (counted in `overflow.routing_stats`).
     whole_lookup: the lookup of the whole table, or of a block of its columns.
 
   Returns:
@@ -285,16 +297,18 @@ def lookup(
   """
   axis = plan.axis
 
-  def routed_rows(table: jax.Array, ids: jax.Array) -> tuple[jax.Array]:
-    return (routed_lookup(table, ids),)
+  def routed_rows(table: jax.Array, ids: jax.Array) -> tuple[jax.Array, jax.Array]:
+    return routed_lookup(table, ids)
 
-  def whole_rows(table: jax.Array, ids: jax.Array) -> tuple[jax.Array]:
-    return (whole_lookup(table, ids),)
+  def whole_rows(table: jax.Array, ids: jax.Array) -> tuple[jax.Array, jax.Array]:
+    return whole_lookup(table, ids), jnp.int32(overflow.NOT_ROUTED)
 
   def partition(mesh, arg_shapes, result_shape):
     table_shape, ids_shape = arg_shapes
     kind = partitioned.layout(table_shape.sharding, axis)
     ids_spec = partitioned.spec(ids_shape.sharding, 1) or PartitionSpec(None)
+    if plan.cyclic and not (kind == partitioned.ROWS and mesh.shape[axis] == plan.num_shards):
+      _refuse_cyclic("lookup", axis)
     if kind == partitioned.ROWS and mesh.shape[axis] == plan.num_shards:
       specs = [partitioned.row_spec(axis, table_shape.ndim), PartitionSpec(axis)]
       body, out_spec = routed_rows, partitioned.row_spec(axis, table_shape.ndim)
@@ -311,17 +325,26 @@ def lookup(
     return (
       mesh,
       body,
-      (NamedSharding(mesh, out_spec),),
+      (NamedSharding(mesh, out_spec), NamedSharding(mesh, PartitionSpec())),
       tuple(NamedSharding(mesh, s) for s in specs),
     )
 
   columns = " ".join(f"d{i}" for i in range(table.ndim - 1))
   rule = partitioned.Rule(
-    f"(p t) {columns}, e -> e {columns}",
+    f"(p t) {columns}, e -> e {columns}, ",  # the rows, the overflow flag
     {"p": plan.num_shards, "t": table.shape[0] // plan.num_shards},
   )
-  (rows,) = partitioned.call(whole_rows, [table, ids], partition, rule)
+  rows, flag = partitioned.call(whole_rows, [table, ids], partition, rule)
+  overflow.note(overflow.LOOKUP, flag)
   return rows
+
+
+def _refuse_cyclic(what: str, axis: str) -> None:
+  raise ValueError(
+    f"row_placement='cyclic': XLA's partitioner did not split the {what}'s table by rows "
+    f"over {axis!r}, and unrouted the {what} would read logical ids as cyclic rows; "
+    f"declare the axis (sharded_routing(auto_axis={axis!r}, row_placement='cyclic'))"
+  )
 
 
 def _rule(
@@ -333,6 +356,7 @@ def _rule(
   carried_ids: Sequence[int],
   entry_ids: set[int],
   entries_split: bool,
+  flags: int = 0,
 ) -> partitioned.Rule:
   """The op's Shardy rule.
 
@@ -341,7 +365,7 @@ def _rule(
   over the axis makes Shardy split the update by the same blocks (as the
   routed step returns it), a replicated table leaves it whole. A new table has
   its table's factors. The gradient's entries (`entries_split` False) and every
-  other dim have factors of their own.
+  other dim have factors of their own. The last `flags` outputs are scalars.
   """
   names = iter(f"f{i}" for i in range(10_000))
   sizes = {"p": num_shards}
@@ -363,8 +387,9 @@ def _rule(
       dims = [next(names) for _ in range(x.ndim)]
     lhs.append(" ".join(dims))
   rhs = []
+  outputs = outputs[: len(outputs) - flags]
   for out in outputs[: len(outputs) - len(carried_ids)]:  # the update's rows and values
     sizes["s"] = out.shape[0] // num_shards
     rhs.append(" ".join(["(p s)"] + columns[: out.ndim - 1]))
-  rhs += [" ".join(factors[i]) for i in carried_ids]
+  rhs += [" ".join(factors[i]) for i in carried_ids] + [""] * flags
   return partitioned.Rule(", ".join(lhs) + " -> " + ", ".join(rhs), sizes)

@@ -27,7 +27,9 @@ from optax_sparse_adam._core import (
   auto_partition,
   bcoo,
   coalesce,
+  overflow,
   partitioned,
+  placement,
   routed,
   routing,
   sharding,
@@ -73,9 +75,15 @@ def sharded_lookup(table: jax.Array, ids: jax.Array) -> jax.Array:
   if plan is None and (auto := _auto_plan(table, ids)) is not None:
     return _auto_lookup(table, ids, auto, padding=False)
   if plan is None:
+    routed.check_placement(None, [table], "lookup")
     out_spec = PartitionSpec(*sharding.spec_of(ids), *([None] * (table.ndim - 1)))
     return sharding.call_with_auto_axes(lambda t, i: t[i], (table, ids), out_spec)
-  return _routed_lookup(table, ids, plan, padding=False)
+  return _noted(*_routed_lookup(table, ids, plan, padding=False))
+
+
+def _noted(rows: jax.Array, flag: jax.Array) -> jax.Array:
+  overflow.note(overflow.LOOKUP, flag)
+  return rows
 
 
 def lookup_or_zeros(table: jax.Array, ids: jax.Array) -> jax.Array:
@@ -90,12 +98,13 @@ def lookup_or_zeros(table: jax.Array, ids: jax.Array) -> jax.Array:
     flat = ids.reshape(-1)
     plan = _plan(table, flat)
     if plan is not None:
-      rows = _routed_lookup(table, flat, plan, padding=True)
+      rows = _noted(*_routed_lookup(table, flat, plan, padding=True))
       return rows.reshape(ids.shape + table.shape[1:])
     auto = _auto_plan(table, flat)
     if auto is not None:
       rows = _auto_lookup(table, flat, auto, padding=True)
       return rows.reshape(ids.shape + table.shape[1:])
+  routed.check_placement(None, [table], "lookup")
   return table.at[jnp.where(ids < 0, num_rows, ids)].get(mode="fill", fill_value=0)
 
 
@@ -103,7 +112,7 @@ def _plan(table: jax.Array, ids: jax.Array) -> routed.Plan | None:
   choice = routed.current()
   if not choice.enabled or table.ndim < 1 or ids.shape[0] == 0:
     return None
-  found = {routed.split_rows(x, choice.auto_axis) for x in (table, ids)}
+  found = {sharding.split_rows(x, choice.auto_axis) for x in (table, ids)}
   if len(found) != 1 or None in found:
     return None
   ((axis, mesh),) = found  # type: ignore[misc]  # None was ruled out above
@@ -112,7 +121,7 @@ def _plan(table: jax.Array, ids: jax.Array) -> routed.Plan | None:
     return None
   local = ids.shape[0] // num_shards
   capacity = routing.capacity(local, num_shards, choice.capacity_factor)
-  return routed.Plan(axis, mesh, num_shards, capacity)
+  return routed.Plan(axis, mesh, num_shards, capacity, routed.is_cyclic())
 
 
 def _auto_plan(table: jax.Array, ids: jax.Array) -> routed.Plan | None:
@@ -128,7 +137,7 @@ def _auto_plan(table: jax.Array, ids: jax.Array) -> routed.Plan | None:
     return None
   local = ids.shape[0] // num_shards
   capacity = routing.capacity(local, num_shards, routed.current().capacity_factor)
-  return routed.Plan(axis, None, num_shards, capacity)
+  return routed.Plan(axis, None, num_shards, capacity, routed.is_cyclic())
 
 
 def _auto_lookup(
@@ -141,7 +150,7 @@ def _auto_lookup(
       return table.at[jnp.where(ids < 0, num_rows, ids)].get(mode="fill", fill_value=0)
     return table[ids]
 
-  def routed_rows(table: jax.Array, ids: jax.Array) -> jax.Array:
+  def routed_rows(table: jax.Array, ids: jax.Array) -> tuple[jax.Array, jax.Array]:
     return _routed_lookup(table, ids, plan, padding=padding)
 
   return auto_partition.lookup(table, ids, plan=plan, routed_lookup=routed_rows, whole_lookup=whole)
@@ -149,8 +158,11 @@ def _auto_lookup(
 
 def _routed_lookup(
   table: jax.Array, ids: jax.Array, plan: routed.Plan, *, padding: bool
-) -> jax.Array:
-  """The routed lookup; `padding`: ids out of range read zero rows (else as `table[ids]`)."""
+) -> tuple[jax.Array, jax.Array]:
+  """The routed lookup, and its overflow flag (`overflow.flag_of`, alike on every device).
+
+  `padding`: ids out of range read zero rows (else as `table[ids]`).
+  """
   axis, num_shards, capacity = plan.axis, plan.num_shards, plan.capacity
   # A plan without a mesh: the caller runs per shard and `table` is a shard.
   num_rows = table.shape[0] * (num_shards if plan.mesh is None else 1)
@@ -166,6 +178,8 @@ def _routed_lookup(
     else:  # table[ids]'s indexing: negative ids from the end, then clamped into range
       rows = jnp.clip(jnp.where(ids < 0, ids + num_rows, ids), 0, num_rows - 1)
       rows = rows.astype(jnp.int32)
+    if plan.cyclic:  # logical ids, the cyclic table's physical rows
+      rows = placement.physical_rows(rows, num_rows, num_shards)
     numbered = coalesce.sort_rows(rows, num_rows)
     slot = coalesce.segments_by_search(rows, numbered, num_rows)
     # Only the ids travel: values of no columns.
@@ -197,11 +211,14 @@ def _routed_lookup(
       return lax.psum_scatter(filled, axis, scatter_dimension=0, tiled=True)
 
     if capacity >= local_ids:
-      return routed_rows(table)
-    overflow = lax.pmax(buckets.overflow.astype(jnp.int32), axis) > 0
-    return lax.cond(overflow, gathered_rows, routed_rows, table)
+      return routed_rows(table), overflow.flag_of(False)
+    overflowed = lax.pmax(buckets.overflow.astype(jnp.int32), axis) > 0
+    return lax.cond(overflowed, gathered_rows, routed_rows, table), overflow.flag_of(overflowed)
 
   row_spec = PartitionSpec(axis, *([None] * len(row_shape)))
   return routed.per_shard(
-    body, plan.mesh, in_specs=(row_spec, PartitionSpec(axis)), out_specs=row_spec
+    body,
+    plan.mesh,
+    in_specs=(row_spec, PartitionSpec(axis)),
+    out_specs=(row_spec, PartitionSpec()),
   )(table, ids)

@@ -29,7 +29,7 @@ def mesh_axis(tables: Sequence[jax.Array], entries: Sequence[jax.Array]) -> tupl
   """`(axis, mesh)` when the partitioner will choose the layout: `tables` typed on one mesh
   of `Auto` axes of which one, `axis`, has more than one device; `entries` on it or on none.
 
-  None where routing is already chosen at trace time (`routed.split_rows`: no
+  None where routing is already chosen at trace time (`sharding.split_rows`: no
   tracer, `Explicit` axes), inside `shard_map` (manual axes), or on a mesh of
   several axes (the axis of the rows could be any of them).
   """

@@ -48,9 +48,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import sparse
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import PartitionSpec
 
-from optax_sparse_adam._core import bcoo, coalesce, routing, sharding
+from optax_sparse_adam._core import bcoo, coalesce, overflow, placement, routing, sharding
 from optax_sparse_adam._core.rules import RowsStep, StepInputs, StepPlan, Tables
 from optax_sparse_adam._core.switches import Switch
 
@@ -71,16 +71,25 @@ class Routing(NamedTuple):
     auto_axis: under `Auto` mesh axes, the axis over which traced tables and
       gradient entries are taken to be split by rows; None leaves the choice to
       the shardings XLA's partitioner picks (`auto_partition`).
+    row_placement: how row-split tables hold their rows, "block" or "cyclic"
+      (`placement`).
   """
 
   enabled: bool = True
   capacity_factor: float | None = None
   auto_axis: str | None = None
+  row_placement: str = placement.BLOCK
 
 
 def _check(choice: Routing) -> None:
   if choice.capacity_factor is not None and not choice.capacity_factor >= 1:
     raise ValueError(f"capacity_factor={choice.capacity_factor!r}; expected a number >= 1")
+  if choice.row_placement not in placement.PLACEMENTS:
+    raise ValueError(
+      f"row_placement={choice.row_placement!r}; expected one of {placement.PLACEMENTS}"
+    )
+  if choice.row_placement == placement.CYCLIC and not choice.enabled:
+    raise ValueError("row_placement='cyclic' needs routing enabled: only routed steps map ids")
 
 
 _SWITCH = Switch(Routing(), _check)
@@ -90,7 +99,11 @@ choose = _SWITCH.choose
 
 
 def sharded_routing(
-  enabled: bool = True, *, capacity_factor: float | None = None, auto_axis: str | None = None
+  enabled: bool = True,
+  *,
+  capacity_factor: float | None = None,
+  auto_axis: str | None = None,
+  row_placement: str = "block",
 ) -> contextlib.AbstractContextManager[None]:
   """Within this block, steps traced route (or not) the gradients of row-sharded tables.
 
@@ -130,6 +143,15 @@ def sharded_routing(
       factor past the skew of ids whose hot rows share an owner.
     auto_axis: the mesh axis of row-split tables under `Auto` axes, or None
       (routed where the partitioner splits the table by rows).
+    row_placement: "block" (the default): a row-split table holds its rows as
+      `P(axis, None)` places them, device `k` the `k`-th block. "cyclic": every
+      row-split table stepped, applied or looked up in the block holds logical
+      row `r` on device `r % N` (`osa.to_cyclic_rows` makes one); ids,
+      gradients and updates stay logical. A frequency-sorted vocabulary then
+      spreads its hot rows over every device and skewed ids stay routed
+      (docs/sharding.md). A row-split table that cannot be routed is refused.
+      Trace every step of a cyclic table inside the block: traced outside, it
+      is stepped as blocks.
 
   Returns:
     A context manager.
@@ -139,19 +161,43 @@ def sharded_routing(
     >>> with osa.sharded_routing(capacity_factor=4.0):
     ...   pass  # steps traced here route with 4x the even share per owner
   """
-  return choose(enabled=enabled, capacity_factor=capacity_factor, auto_axis=auto_axis)
+  return choose(
+    enabled=enabled,
+    capacity_factor=capacity_factor,
+    auto_axis=auto_axis,
+    row_placement=row_placement,
+  )
 
 
 class Plan(NamedTuple):
   """How a leaf is routed: the mesh axis, its mesh and size, and the slots per owner.
 
-  A None mesh: the step is already lowered per shard (`auto_partition`).
+  A None mesh: the step is already lowered per shard (`auto_partition`). `cyclic`:
+  the tables hold their rows cyclically (`placement`), ids are mapped in and out.
   """
 
   axis: str
   mesh: Any
   num_shards: int
   capacity: int
+  cyclic: bool = False
+
+
+def is_cyclic() -> bool:
+  """Whether row-split tables traced now hold their rows cyclically."""
+  return current().row_placement == placement.CYCLIC
+
+
+def check_placement(plan: StepPlan | None, arrays: list[Any], what: str) -> None:
+  """Refuses cyclic tables where the step cannot honour them (`placement.check`)."""
+  choice = current()
+  placement.check(choice.row_placement, choice.auto_axis, plan, arrays, what)
+
+
+def physical_ids(rows: jax.Array, table: jax.Array, what: str) -> jax.Array:
+  """Logical ids as `table`'s rows for a direct gather (`placement.physical_ids`)."""
+  choice = current()
+  return placement.physical_ids(rows, table, choice.row_placement, choice.auto_axis, what)
 
 
 def plan_step(grad: sparse.BCOO, tables: Tables, plan: StepPlan) -> Plan | None:
@@ -163,7 +209,7 @@ def plan_step(grad: sparse.BCOO, tables: Tables, plan: StepPlan) -> Plan | None:
       decay reads it), all to be split by rows like the table.
     plan: the step's plan.
   """
-  del plan  # every rule and option routes (stochastic rounding: `StepInputs.row_offset`)
+  # Every rule and option routes (stochastic rounding: `StepInputs.row_offset`).
   arrays = [*tables.slots.values(), tables.row_step, tables.last_step, tables.param]
   found = _plan(grad, [a for a in arrays if a is not None])
   if found is None:
@@ -173,13 +219,14 @@ def plan_step(grad: sparse.BCOO, tables: Tables, plan: StepPlan) -> Plan | None:
   capacity = routing.capacity(local, num_shards, current().capacity_factor)
   if not routing.int32_fits(grad.shape[0], num_shards * num_shards * capacity):
     return None
-  return Plan(axis, mesh, num_shards, capacity)
+  check_placement(plan, [], "step")
+  return Plan(axis, mesh, num_shards, capacity, is_cyclic())
 
 
 def plan_apply(param: jax.Array, update: sparse.BCOO) -> Plan | None:
   """The `Plan` of `param + update`, or None where it is not routed."""
   found = _plan(update, [param])
-  return None if found is None else Plan(*found, capacity=0)
+  return None if found is None else Plan(*found, capacity=0, cyclic=is_cyclic())
 
 
 def masked_step(
@@ -189,6 +236,19 @@ def masked_step(
   route: Plan,
   local_step: Callable[[StepInputs, StepPlan], RowsStep],
 ) -> RowsStep:
+  """The routed masked step (`flagged_step`), counted in `overflow.routing_stats`."""
+  result, flag = flagged_step(inputs, plan, route=route, local_step=local_step)
+  overflow.note(overflow.STEP, flag)
+  return result
+
+
+def flagged_step(
+  inputs: StepInputs,
+  plan: StepPlan,
+  *,
+  route: Plan,
+  local_step: Callable[[StepInputs, StepPlan], RowsStep],
+) -> tuple[RowsStep, jax.Array]:
   """The routed masked step: `local_step` (the backend's) runs on each owner's shard.
 
   Args:
@@ -203,12 +263,15 @@ def masked_step(
     The `RowsStep`: `route.num_shards * route.capacity` slots per device, each
     device holding rows it owns (ascending) then padding, except after an
     overflowing step (see the module docstring); the new tables, split as given.
+    And the step's `overflow` flag, an int32 scalar alike on every device.
   """
   axis, num_shards, capacity = route.axis, route.num_shards, route.capacity
   layout = plan.layout
   rows, values, tables = inputs.rows, inputs.values, inputs.tables
   num_rows = layout.num_rows
   rows_per_shard = num_rows // num_shards
+  if route.cyclic:  # logical ids in, the cyclic tables' physical rows within
+    rows = placement.physical_rows(rows, num_rows, num_shards)
   slots = num_shards * capacity  # the update's slots per device
   local_plan = plan._replace(layout=bcoo.RowLayout((rows_per_shard,), layout.dense_shape))
   # What a shard's step reads and writes, split by rows (the parameter is read only).
@@ -250,7 +313,7 @@ def masked_step(
       local, got_values, _, _ = routed_input(0)
       unique_rows, delta, carried = owner_step(local, got_values, carried, param, replicated)
       ids = routing.owned_ids(unique_rows, shard, rows_per_shard)
-      return routing.decode_rows(ids, shard, num_rows), delta, carried
+      return routing.decode_rows(ids, shard, num_rows), delta, carried, overflow.flag_of(False)
 
     @jax.named_scope(OVERFLOW_SCOPE)
     def gathered_input(round_index):
@@ -268,12 +331,12 @@ def masked_step(
       return jnp.minimum(chunk_rows, rows_per_shard), chunk_values, rounds, first_slot
 
     # Every device takes the same branches: the collectives inside must match.
-    overflow = lax.pmax(buckets.overflow.astype(jnp.int32), axis) > 0
+    overflowed = lax.pmax(buckets.overflow.astype(jnp.int32), axis) > 0
 
     def one_round(loop):
       round_index, _, carried, ids, delta = loop
       local, got_values, rounds, first_slot = lax.cond(
-        overflow, gathered_input, routed_input, round_index
+        overflowed, gathered_input, routed_input, round_index
       )
       unique_rows, round_delta, carried = owner_step(local, got_values, carried, param, replicated)
 
@@ -293,7 +356,7 @@ def masked_step(
       def own(_):
         return routing.owned_ids(unique_rows, shard, rows_per_shard), round_delta
 
-      round_ids, round_delta = lax.cond(overflow, spread, own, None)
+      round_ids, round_delta = lax.cond(overflowed, spread, own, None)
       landed = round_ids > 0
       ids = jnp.where(landed, round_ids, ids)
       delta = jnp.where(routing.expand(landed, delta.ndim), round_delta, delta)
@@ -304,13 +367,14 @@ def masked_step(
     delta = jnp.zeros((slots,) + values.shape[1:], values.dtype)
     loop = (jnp.int32(0), jnp.int32(1), carried, jnp.zeros((slots,), jnp.int32), delta)
     _, _, carried, ids, delta = lax.while_loop(lambda loop: loop[0] < loop[1], one_round, loop)
-    return routing.decode_rows(ids, shard, num_rows), delta, carried
+    flag = overflow.flag_of(overflowed)
+    return routing.decode_rows(ids, shard, num_rows), delta, carried, flag
 
   def row_specs(tree: Any) -> Any:
     return jax.tree.map(lambda x: _row_spec(axis, x.ndim), tree)
 
   replicated_specs = jax.tree.map(lambda _: PartitionSpec(), replicated_inputs)
-  new_rows, delta, new_tables = per_shard(
+  new_rows, delta, new_tables, flag = per_shard(
     body,
     route.mesh,
     in_specs=(
@@ -324,9 +388,12 @@ def masked_step(
       PartitionSpec(axis),
       _row_spec(axis, values.ndim),
       row_specs(carried_tables),
+      PartitionSpec(),  # the flag: alike on every device
     ),
   )(rows, values, carried_tables, tables.param, replicated_inputs)
-  return RowsStep(new_rows, delta, new_tables)
+  if route.cyclic:
+    new_rows = placement.logical_rows(new_rows, num_rows, num_shards)
+  return RowsStep(new_rows, delta, new_tables), flag
 
 
 def scatter_add(
@@ -376,6 +443,8 @@ def scatter_add(
     return _repeat(lambda p: add(p, local, values), 1 - foreign, param)
 
   rows = bcoo.linear_rows(update.indices, layout)
+  if plan.cyclic:
+    rows = placement.physical_rows(rows, num_rows, num_shards)
   table_spec = _row_spec(axis, param.ndim)
   return per_shard(
     body,
@@ -413,7 +482,9 @@ def _plan(entries: sparse.BCOO, tables: list[jax.Array]) -> tuple[str, Any, int]
   choice = current()
   if not choice.enabled or entries.n_sparse != 1 or entries.n_batch != 0 or entries.nse == 0:
     return None
-  found = {split_rows(x, choice.auto_axis) for x in (entries.data, entries.indices, *tables)}
+  found = {
+    sharding.split_rows(x, choice.auto_axis) for x in (entries.data, entries.indices, *tables)
+  }
   if len(found) != 1 or None in found:
     return None
   ((axis, mesh),) = found  # type: ignore[misc]  # None was ruled out above
@@ -421,36 +492,3 @@ def _plan(entries: sparse.BCOO, tables: list[jax.Array]) -> tuple[str, Any, int]
   if num_shards < 2 or entries.shape[0] % num_shards or entries.nse % num_shards:
     return None
   return axis, mesh, num_shards
-
-
-def split_rows(x: Any, auto_axis: str | None) -> tuple[str, Any] | None:
-  """`(axis, mesh)` when `x` is known to be split on dim 0 over `axis` alone, else None.
-
-  Known from a concrete array's `NamedSharding`, from the type of a value traced
-  under `Explicit` axes, or, under `Auto` axes, from `auto_axis` (when `x`'s
-  mesh has that axis).
-  """
-  if x.ndim == 0:
-    return None
-  if isinstance(x, jax.core.Tracer):
-    typed = getattr(jax.typeof(x), "sharding", None)
-    mesh = getattr(typed, "mesh", None)
-    if mesh is None or mesh.empty:
-      return None
-    if not getattr(mesh, "explicit_axes", ()):
-      if auto_axis is None or auto_axis not in getattr(mesh, "auto_axes", ()):
-        return None  # no axis named, or inside a shard_map over it already
-      return auto_axis, mesh
-    spec = sharding.spec_of(x)
-  else:
-    named = getattr(x, "sharding", None)
-    if not isinstance(named, NamedSharding):
-      return None
-    mesh, spec = named.mesh, named.spec
-  entries = tuple(spec) + (None,) * (x.ndim - len(spec))
-  first = entries[0]
-  if isinstance(first, tuple):
-    first = first[0] if len(first) == 1 else None
-  if not isinstance(first, str) or any(e is not None for e in entries[1:]):
-    return None
-  return first, mesh

@@ -178,3 +178,36 @@ def replicated_vector(replicated: NamedSharding | None) -> NamedSharding | None:
     return None
   explicit = any(t == AxisType.Explicit for t in getattr(replicated.mesh, "axis_types", ()))
   return NamedSharding(replicated.mesh, PartitionSpec(None) if explicit else PartitionSpec())
+
+
+def split_rows(x: Any, auto_axis: str | None) -> tuple[str, Any] | None:
+  """`(axis, mesh)` when `x` is known to be split on dim 0 over `axis` alone, else None.
+
+  Known from a concrete array's `NamedSharding`, from the type of a value traced
+  under `Explicit` axes, or, under `Auto` axes, from `auto_axis` (when `x`'s
+  mesh has that axis).
+  """
+  if x.ndim == 0:
+    return None
+  if isinstance(x, jax.core.Tracer):
+    typed = getattr(jax.typeof(x), "sharding", None)
+    mesh = getattr(typed, "mesh", None)
+    if mesh is None or mesh.empty:
+      return None
+    if not getattr(mesh, "explicit_axes", ()):
+      if auto_axis is None or auto_axis not in getattr(mesh, "auto_axes", ()):
+        return None  # no axis named, or inside a shard_map over it already
+      return auto_axis, mesh
+    spec = spec_of(x)
+  else:
+    named = getattr(x, "sharding", None)
+    if not isinstance(named, NamedSharding):
+      return None
+    mesh, spec = named.mesh, named.spec
+  entries = tuple(spec) + (None,) * (x.ndim - len(spec))
+  first = entries[0]
+  if isinstance(first, tuple):
+    first = first[0] if len(first) == 1 else None
+  if not isinstance(first, str) or any(e is not None for e in entries[1:]):
+    return None
+  return first, mesh

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_sparse_adam._core import catch_up
+from optax_sparse_adam._core import catch_up, routed
 from optax_sparse_adam._core.errors import flatten_up_to, is_python_number, leaves_up_to
 from optax_sparse_adam._core.row_rules import adam
 from optax_sparse_adam._optax import leaf
@@ -280,6 +280,7 @@ def _catch_up(
     if rows is not _ALL:
       rows = jnp.asarray(rows).reshape(-1)
       rows = jnp.where(rows < 0, mu.shape[0], rows)  # negative ids are padding, not wrapped
+      rows = routed.physical_ids(rows, mu, name)  # a cyclic table's rows (sharded_routing)
       got = {key: table.at[rows].get(mode="fill", fill_value=0) for key, table in tables.items()}
     else:
       got = tables

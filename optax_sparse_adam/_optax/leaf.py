@@ -217,6 +217,7 @@ def masked_leaf_step(
       coalesced, layout, indices_sorted=False, unique_indices=unique_indices
     )
     return LeafStep(update, new_step, result.tables)
+  routed.check_placement(None, list(tables.slots.values()), "step")
 
   def run(grad_data, grad_indices, tables, new_step, hyper, opaque_zero):
     inputs = StepInputs(
@@ -320,6 +321,7 @@ def scatter_add_bcoo(param: jax.Array, update: sparse.BCOO, path: Sequence[Any] 
     return auto_partition.scatter_add(
       param, update, layout=layout, plan=auto, local_scatter_add=dispatch.scatter_add
     )
+  routed.check_placement(None, [param], "apply")
 
   def scatter_add(param, update):
     rows = bcoo.linear_rows(update.indices, layout)

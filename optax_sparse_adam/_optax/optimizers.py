@@ -70,6 +70,7 @@ def sparse_sgd(
   *,
   maximize: bool = False,
   lazy_momentum: bool = False,
+  catch_up_idle_rows: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
   r"""`torch.optim.SGD` for BCOO gradients: the touched rows move, nothing else.
 
@@ -94,6 +95,9 @@ def sparse_sgd(
     nesterov: Nesterov momentum (needs momentum and zero dampening, as in torch).
     maximize: ascend the objective instead of descending it.
     lazy_momentum: allow `momentum > 0` in the row-wise (lazy) form above.
+    catch_up_idle_rows: accepted without momentum, where there is nothing to catch
+      up (an idle row does not move under dense SGD either: lazy is dense); refused
+      with momentum, whose idle steps (a geometric sum) are not implemented.
 
   Returns:
     An `optax.GradientTransformationExtraArgs` whose state is a `SparseRuleState`
@@ -122,6 +126,13 @@ def sparse_sgd(
     raise ValueError(SGD_WEIGHT_DECAY.format(wd=weight_decay))
   if _known(momentum) not in (0, None) and not lazy_momentum:
     raise ValueError(SGD_MOMENTUM.format(momentum=momentum))
+  if catch_up_idle_rows and (lazy_momentum or _known(momentum) != 0):
+    raise ValueError(
+      "sparse_sgd: catch_up_idle_rows=True with momentum is not implemented: under dense "
+      "SGD an idle row keeps moving by its decaying momentum (a geometric sum, which has a "
+      "closed form this package does not take yet). Use lazy_momentum=True (idle rows "
+      "wait), or momentum=0, where lazy SGD is dense SGD."
+    )
   return sparse_rule_transformation(
     # The buffer by the flag, not the value: the state's structure stays the same when
     # optax.inject_hyperparams passes momentum as an array (with 0, the buffer is g).
@@ -140,6 +151,7 @@ def sparse_adagrad(
   eps: float = 1e-10,
   *,
   maximize: bool = False,
+  catch_up_idle_rows: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
   r"""`torch.optim.Adagrad` for BCOO gradients: lazy, as torch is on sparse gradients.
 
@@ -160,6 +172,9 @@ def sparse_adagrad(
     initial_accumulator_value: where :math:`s` starts.
     eps: added to :math:`\sqrt{s}`.
     maximize: ascend the objective instead of descending it.
+    catch_up_idle_rows: accepted, and changes nothing: under dense Adagrad an idle
+      row's gradient is zero, so neither its accumulator nor the row moves (lazy is
+      dense).
 
   Returns:
     An `optax.GradientTransformationExtraArgs` whose state is a `SparseRuleState`
@@ -183,6 +198,7 @@ def sparse_adagrad(
   _check_number("weight_decay", weight_decay)
   _check_number("initial_accumulator_value", initial_accumulator_value)
   _check_number("epsilon", eps)
+  del catch_up_idle_rows  # lazy Adagrad is dense Adagrad on sparse gradients
   if _known(weight_decay) not in (0, None):
     raise ValueError(
       f"weight_decay={weight_decay!r}: weight_decay option is not compatible with sparse "
@@ -208,6 +224,7 @@ def sparse_rowwise_adagrad(
   weight_decay_mode: str = "none",
   max_norm: float | None = None,
   maximize: bool = False,
+  catch_up_idle_rows: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
   r"""FBGEMM's EXACT_ROWWISE_ADAGRAD for BCOO gradients: one accumulator per row.
 
@@ -230,6 +247,9 @@ def sparse_rowwise_adagrad(
     max_norm: after the step, scale each touched row whose L2 norm exceeds it
       back to it (FBGEMM's `max_norm`); None: off. Needs `params` in `update`.
     maximize: ascend the objective instead of descending it.
+    catch_up_idle_rows: accepted without weight decay, and changes nothing (an idle
+      row neither moves nor adds to its accumulator under the dense optimizer);
+      refused with weight decay, which moves idle rows (not implemented).
 
   Returns:
     An `optax.GradientTransformationExtraArgs` whose state is a `SparseRuleState`
@@ -258,6 +278,13 @@ def sparse_rowwise_adagrad(
     raise ValueError(
       f"sparse_rowwise_adagrad: unknown weight_decay_mode {weight_decay_mode!r}; expected "
       f"one of {list(modes)} (FBGEMM's NONE, L2, DECOUPLE)"
+    )
+  if catch_up_idle_rows and weight_decay_mode != "none" and _known(weight_decay) != 0:
+    raise ValueError(
+      f"sparse_rowwise_adagrad: catch_up_idle_rows=True with weight_decay_mode="
+      f"{weight_decay_mode!r} is not implemented: the dense optimizer's weight decay moves "
+      "idle rows too (with L2, through the accumulator: no closed form). Without weight "
+      "decay there is nothing to catch up: lazy is dense."
     )
   return sparse_rule_transformation(
     RowwiseAdagradRule(),

@@ -17,6 +17,7 @@ import contextlib  # noqa: E402
 import json  # noqa: E402
 import re  # noqa: E402
 import sys  # noqa: E402
+import time  # noqa: E402
 import warnings  # noqa: E402
 
 import jax  # noqa: E402
@@ -127,7 +128,20 @@ def largest_copy(hlo_text):
   return max((n for m in COPY.finditer(hlo_text) for n in element_counts(m["type"])), default=0)
 
 
-def train(opt_name, kind, *, mesh=None, batch_axis="x", batch=BATCH, seed=0, table_spec=None):
+def cyclic_order(x, shards=NUM_DEVICES):
+  """NumPy: logical row r at (r % shards) * (V / shards) + r // shards (an independent check)."""
+  x = np.asarray(x)
+  return x.reshape((-1, shards) + x.shape[1:]).swapaxes(0, 1).reshape(x.shape)
+
+
+def logical_order(x, shards=NUM_DEVICES):
+  x = np.asarray(x)
+  return x.reshape((shards, -1) + x.shape[1:]).swapaxes(0, 1).reshape(x.shape)
+
+
+def train(
+  opt_name, kind, *, mesh=None, batch_axis="x", batch=BATCH, seed=0, table_spec=None, cyclic=False
+):
   rng = np.random.default_rng(seed)
   dtype = jnp.bfloat16 if opt_name == "bf16" else jnp.float32
   table0 = rng.normal(size=(NUM_ROWS, DIM)).astype(np.float32)
@@ -152,13 +166,15 @@ def train(opt_name, kind, *, mesh=None, batch_axis="x", batch=BATCH, seed=0, tab
     updates, state = opt.update({"table": grad}, state, {"table": table})
     return osa.apply_updates({"table": table}, updates)["table"], state
 
-  table = put_table(jnp.asarray(table0, dtype))
+  table = put_table(jnp.asarray(cyclic_order(table0) if cyclic else table0, dtype))
   state = opt.init({"table": table})
   jitted = jax.jit(step, donate_argnums=(0, 1))
+  osa.routing_stats(reset=True)
   with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     for ids, rows in batches:
       table, state = jitted(table, state, put_ids(ids), put_rows(jnp.asarray(rows, dtype)))
+  stats = osa.routing_stats(reset=True)
   ids, rows = batches[0]
   hlo = jitted.lower(table, state, put_ids(ids), put_rows(jnp.asarray(rows, dtype)))
   skipped = int(state.total_notfinite) if hasattr(state, "total_notfinite") else None
@@ -170,8 +186,9 @@ def train(opt_name, kind, *, mesh=None, batch_axis="x", batch=BATCH, seed=0, tab
     arrays["row_step"] = state.row_step["table"]
   if getattr(state, "row_last_step", None) is not None:
     arrays["row_last_step"] = state.row_last_step["table"]
+  to_logical = logical_order if cyclic else np.asarray
   return {
-    "arrays": {k: np.asarray(v.astype(jnp.float32)) for k, v in arrays.items()},
+    "arrays": {k: to_logical(v.astype(jnp.float32)) for k, v in arrays.items()},
     "specs": {k: str(getattr(v.sharding, "spec", None)) for k, v in arrays.items()},
     "collectives": collectives(hlo_text := hlo.compile().as_text()),
     "kernel_calls": hlo_text.count('custom_call_target="optax_sparse_adam_'),
@@ -181,6 +198,7 @@ def train(opt_name, kind, *, mesh=None, batch_axis="x", batch=BATCH, seed=0, tab
     "compilations": jitted._cache_size(),
     "skipped_steps": skipped,
     "warnings": [str(w.message) for w in caught],
+    "stats": stats._asdict(),
   }
 
 
@@ -243,17 +261,130 @@ def lookups():
           jax.device_put(ids, NamedSharding(mesh, P("x"))),
         )
         lookup = jax.jit(osa.sharded_lookup)
+        osa.routing_stats(reset=True)
         rows = lookup(*args)
+        stats = osa.routing_stats(reset=True)
         hlo = lookup.lower(*args).compile().as_text()
       results[f"{mode}/{kind}"] = {
         "max_abs_diff": float(np.max(np.abs(np.asarray(rows) - expected))),
         "spec": str(rows.sharding.spec),
         "collectives": collectives(hlo),
+        "stats": stats._asdict(),
       }
   return results
 
 
-def flax_nnx(auto_axis="x"):
+CYCLIC_CASES = [
+  ("all_options", "zipf", "explicit"),
+  ("all_options", "zipf", "auto_default"),
+  ("plain", "one_owner", "explicit"),
+]
+
+
+def cyclic_runs(references):
+  """`sharded_routing(row_placement="cyclic")` with the default capacity: tables stored
+  in cyclic order (converted in NumPy), compared in logical order with one device; the
+  lookup; the converters on sharded arrays; what is refused."""
+  results = {"runs": {}, "errors": {}}
+  for opt_name, kind, mode in CYCLIC_CASES:
+    if (opt_name, kind) not in references:
+      references[opt_name, kind] = train(opt_name, kind)
+    axis_type = AxisType.Explicit if mode == "explicit" else AxisType.Auto
+    mesh = jax.make_mesh((NUM_DEVICES,), ("x",), axis_types=(axis_type,))
+    with (
+      jax.set_mesh(mesh) if mode == "explicit" else contextlib.nullcontext(),
+      osa.sharded_routing(auto_axis="x" if mode == "auto" else None, row_placement="cyclic"),
+    ):
+      run = train(opt_name, kind, mesh=mesh, cyclic=True)
+    run["max_abs_diff"] = compare(run, references[opt_name, kind])
+    results["runs"][f"{mode}/{opt_name}/{kind}"] = run
+  rng = np.random.default_rng(4)
+  table = rng.normal(size=(NUM_ROWS, DIM)).astype(np.float32)
+  ids = np.concatenate([ids_of("zipf", rng), [-1, -NUM_ROWS, NUM_ROWS + 3, 7]]).astype(np.int32)
+  ids = ids[-BATCH:]
+  expected = np.asarray(jnp.asarray(table)[jnp.asarray(ids)])  # one device: clamped, wrapped
+  for mode in ("explicit", "auto_default"):
+    axis_type = AxisType.Explicit if mode == "explicit" else AxisType.Auto
+    mesh = jax.make_mesh((NUM_DEVICES,), ("x",), axis_types=(axis_type,))
+    with (
+      jax.set_mesh(mesh) if mode == "explicit" else contextlib.nullcontext(),
+      osa.sharded_routing(row_placement="cyclic"),
+    ):
+      sharded = jax.device_put(cyclic_order(table), NamedSharding(mesh, P("x", None)))
+      put_ids = jax.device_put(ids, NamedSharding(mesh, P("x")))
+      osa.routing_stats(reset=True)
+      rows = jax.jit(osa.sharded_lookup)(sharded, put_ids)
+      stats = osa.routing_stats(reset=True)
+      converted = osa.to_cyclic_rows(jax.device_put(table, NamedSharding(mesh, P("x", None))), 8)
+      back = osa.from_cyclic_rows(converted, 8)
+    results[f"lookup/{mode}"] = {
+      "max_abs_diff": float(np.max(np.abs(np.asarray(rows) - expected))),
+      "stats": stats._asdict(),
+      "to_cyclic_diff": float(np.max(np.abs(np.asarray(converted) - cyclic_order(table)))),
+      "from_cyclic_diff": float(np.max(np.abs(np.asarray(back) - table))),
+      "specs": [str(converted.sharding.spec), str(back.sharding.spec)],
+    }
+  # A checkpoint N -> M: saved in logical order from 8 devices, placed cyclically on 4.
+  eight = jax.make_mesh((NUM_DEVICES,), ("x",), axis_types=(AxisType.Auto,))
+  four = jax.make_mesh((4,), ("x",), axis_types=(AxisType.Auto,), devices=jax.devices()[:4])
+  on_eight = jax.device_put(cyclic_order(table), NamedSharding(eight, P("x", None)))
+  saved = np.asarray(osa.from_cyclic_rows(on_eight, NUM_DEVICES))
+  restored = osa.to_cyclic_rows(jax.device_put(saved, NamedSharding(four, P("x", None))), 4)
+  with osa.sharded_routing(row_placement="cyclic"):
+    every_row = jax.device_put(np.arange(NUM_ROWS, dtype=np.int32), NamedSharding(four, P("x")))
+    read = jax.jit(osa.sharded_lookup)(restored, every_row)
+  results["resharded_diff"] = float(np.max(np.abs(np.asarray(read) - table)))
+  results["resharded_spec"] = str(restored.sharding.spec)
+  explicit = jax.make_mesh((NUM_DEVICES,), ("x",), axis_types=(AxisType.Explicit,))
+  reference = caught_up_table()
+  auto = jax.make_mesh((NUM_DEVICES,), ("x",), axis_types=(AxisType.Auto,))
+  with osa.sharded_routing(row_placement="cyclic"):  # catch_up_rows: eager, Auto axes
+    caught_up = caught_up_table(auto)
+  results["catch_up_rows_diff"] = float(np.max(np.abs(caught_up - reference)))
+  for name, opt_name, batch_axis in (
+    ("stochastic_rounding", "stochastic", "x"),
+    ("optax_apply_if_finite", "optax_apply_if_finite", "x"),
+    ("replicated_batch", "plain", None),
+  ):
+    try:
+      with jax.set_mesh(explicit), osa.sharded_routing(row_placement="cyclic"):
+        train(opt_name, "uniform", mesh=explicit, batch_axis=batch_axis, cyclic=True)
+      results["errors"][name] = None
+    except ValueError as err:
+      results["errors"][name] = str(err)
+  return results
+
+
+def caught_up_table(mesh=None):
+  """Two catch-up steps on disjoint rows, then `catch_up_rows` of rows idle since: the
+  table in logical order (cyclic on `mesh`)."""
+  rng = np.random.default_rng(5)
+  table0 = rng.normal(size=(NUM_ROWS, DIM)).astype(np.float32)
+  opt = OPTIMIZERS["catch_up"]()
+  if mesh is None:
+    put = jnp.asarray
+    table = put(table0)
+  else:
+    put = lambda x: jax.device_put(x, NamedSharding(mesh, P("x", *[None] * (x.ndim - 1))))  # noqa: E731
+    table = put(cyclic_order(table0))
+  state = opt.init({"table": table})
+
+  @jax.jit
+  def step(table, state, ids, rows):
+    grad = sparse.BCOO((rows, ids[:, None]), shape=table.shape)
+    updates, state = opt.update({"table": grad}, state, {"table": table})
+    return osa.apply_updates({"table": table}, updates)["table"], state
+
+  for first in (0, 1):  # rows 0, 2, 4, ... then 1, 3, 5, ...
+    ids = (first + 2 * rng.permutation(NUM_ROWS // 2)[:BATCH]).astype(np.int32)
+    table, state = step(table, state, put(ids), put(rng.normal(size=(BATCH, DIM)).astype("f4")))
+  ids = np.arange(0, NUM_ROWS, 3, dtype=np.int32)[:BATCH]
+  ids = jnp.asarray(ids) if mesh is None else jax.device_put(ids, NamedSharding(mesh, P()))
+  params, _ = osa.catch_up_rows(opt, {"table": table}, state, {"table": ids})
+  return logical_order(params["table"]) if mesh is not None else np.asarray(params["table"])
+
+
+def flax_nnx(auto_axis="x", placement="block"):
   """A Flax NNX model's table, row-sharded, trained with `SparseOptimizer` (Auto axes and
   `auto_axis`), against one device; None without flax."""
   try:
@@ -288,7 +419,9 @@ def flax_nnx(auto_axis="x"):
     put = jnp.asarray
     if mesh is not None:
       table = model.users.embedding
-      table.set_value(jax.device_put(table.get_value(), NamedSharding(mesh, P("x", None))))
+      value = table.get_value()
+      value = cyclic_order(value) if placement == "cyclic" else value
+      table.set_value(jax.device_put(value, NamedSharding(mesh, P("x", None))))
       put = lambda x: jax.device_put(x, NamedSharding(mesh, P("x", *[None] * (x.ndim - 1))))  # noqa: E731
     tx = optax.multi_transform(
       {"sparse": osa.sparse_adam(1e-2), "dense": optax.adam(1e-2)}, osa.table_labels(model)
@@ -305,11 +438,16 @@ def flax_nnx(auto_axis="x"):
       args = (put(users.astype(np.int32)), put(targets.astype(np.float32)))
       step(model, optimizer, *args)
     hlo = step.lower(model, optimizer, *args).compile().as_text()
-    return np.asarray(model.users.embedding.get_value()), hlo
+    value = model.users.embedding.get_value()
+    value = logical_order(value) if mesh is not None and placement == "cyclic" else value
+    return np.asarray(value), hlo
 
   reference, _ = run(None)
   mesh = jax.make_mesh((NUM_DEVICES,), ("x",), axis_types=(AxisType.Auto,))
-  with osa.sharded_routing(auto_axis=auto_axis), tracing_routed() as traced:
+  with (
+    osa.sharded_routing(auto_axis=auto_axis, row_placement=placement),
+    tracing_routed() as traced,
+  ):
     table, hlo = run(mesh)
   return {
     "max_abs_diff": float(np.max(np.abs(table - reference))),
@@ -322,15 +460,15 @@ def flax_nnx(auto_axis="x"):
 def tracing_routed():
   """Within the block, the list of the routed functions traced (step, apply, lookup)."""
   traced = []
-  masked_step, scatter_add = routed.masked_step, routed.scatter_add
+  masked_step, scatter_add = routed.flagged_step, routed.scatter_add
   routed_lookup = lookup._routed_lookup
-  routed.masked_step = lambda *a, **k: traced.append("step") or masked_step(*a, **k)
+  routed.flagged_step = lambda *a, **k: traced.append("step") or masked_step(*a, **k)
   routed.scatter_add = lambda *a, **k: traced.append("apply") or scatter_add(*a, **k)
   lookup._routed_lookup = lambda *a, **k: traced.append("lookup") or routed_lookup(*a, **k)
   try:
     yield traced
   finally:
-    routed.masked_step, routed.scatter_add = masked_step, scatter_add
+    routed.flagged_step, routed.scatter_add = masked_step, scatter_add
     lookup._routed_lookup = routed_lookup
 
 
@@ -596,11 +734,17 @@ def main():
       unrouted = train(opt_name, "cross_device_duplicates", mesh=auto, table_spec=table_spec)
     run["compilations_unrouted"] = unrouted["compilations"]
     results["runs"][f"auto_default/{name}"] = run
+  started = time.perf_counter()
+  results["cyclic"] = cyclic_runs(references)
+  results["cyclic"]["seconds"] = time.perf_counter() - started  # the suite's time budget
   results["transformed"] = transformed_steps(auto)
   explicit = jax.make_mesh((NUM_DEVICES,), ("x",), axis_types=(AxisType.Explicit,))
   results["lookups"] = lookups()
   results["flax_nnx"] = flax_nnx()
   results["flax_nnx_auto_default"] = flax_nnx(auto_axis=None)
+  started = time.perf_counter()
+  results["flax_nnx_cyclic"] = flax_nnx(placement="cyclic")
+  results["cyclic"]["seconds"] += time.perf_counter() - started
   results["front_ends"] = front_ends()
   results["apply_foreign"] = apply_foreign_update(explicit)
   json.dump(results, sys.stdout)

@@ -7,9 +7,10 @@ tests/core/test_sharding.py; this process keeps its single device.
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental import sparse
 
 import optax_sparse_adam as osa
-from optax_sparse_adam._core import routing
+from optax_sparse_adam._core import placement, routing
 from tests.core._forced_devices import run_checks
 
 # Float32: a row's entries on several devices are summed per device first, then
@@ -119,6 +120,48 @@ def test_an_overflowing_step_sums_in_one_devices_order(checks, run):
   sums each row's entries in global input order and matches one device bit for bit."""
   for name, (diff, _) in checks["runs"][run]["max_abs_diff"].items():
     assert diff == 0.0, name
+
+
+@pytest.mark.parametrize(
+  ("run", "overflowed"),
+  [
+    ("explicit/plain/spread_to_all/cf1", 0),
+    ("explicit/plain/one_owner/cf2", 3),
+    ("auto/plain/one_owner/cf2", 3),
+    ("auto_default/all_options/cross_device_duplicates/cf2", 0),
+    ("auto_default/plain/one_owner/cf2", 3),
+    ("auto_default/replicated_table", None),
+    ("two_axes/batch_over_y", None),
+  ],
+)
+def test_routing_stats_count_the_steps_that_overflowed(checks, run, overflowed):
+  """`osa.routing_stats` after 3 steps: every step routed, all ids on one owner overflowing
+  each, ids spread evenly over the owners (or only 12 rows) none; a step not routed (a
+  replicated table, a batch over another axis) is not counted."""
+  stats = checks["runs"][run]["stats"]
+  steps = 0 if overflowed is None else 3
+  assert (stats["steps"], stats["overflowed_steps"]) == (steps, overflowed or 0)
+  assert (stats["lookups"], stats["overflowed_lookups"]) == (0, 0)
+
+
+@pytest.mark.parametrize("mode", ["explicit", "auto", "auto_default"])
+def test_routing_stats_count_the_lookups_that_overflowed(checks, mode):
+  """One lookup each: all ids on one owner overflow; uniform ids, 4 per owner on average,
+  fit twice the share or not (one uniform step in 8 devices' batches of 32 overflows most)."""
+  for kind in ("uniform", "one_owner"):
+    stats = checks["lookups"][f"{mode}/{kind}"]["stats"]
+    assert stats["lookups"] == 1 and stats["steps"] == 0, kind
+  assert checks["lookups"][f"{mode}/one_owner"]["stats"]["overflowed_lookups"] == 1
+
+
+def test_routing_stats_on_one_device_count_nothing():
+  osa.routing_stats(reset=True)
+  grad = sparse.BCOO((jnp.ones((2, 3)), jnp.array([[0], [1]])), shape=(4, 3))
+  opt = osa.sparse_adam(1e-2)
+  params = {"t": jnp.zeros((4, 3))}
+  osa.apply_updates(params, opt.update({"t": grad}, opt.init(params))[0])
+  osa.sharded_lookup(params["t"], jnp.array([0, 1]))
+  assert osa.routing_stats(reset=True) == osa.RoutingStats(0, 0, 0, 0)
 
 
 @pytest.mark.parametrize("run", STOCHASTIC_RUNS)
@@ -422,3 +465,113 @@ def test_the_step_finds_optax_apply_if_finite_s_accepting_branch():
   code = leaf._optax_apply_if_finite_branch()
   assert code is not None and code.co_name == "do_update"
   assert not leaf._inside_optax_apply_if_finite()
+
+
+CYCLIC_RUNS = [
+  "explicit/all_options/zipf",
+  "auto_default/all_options/zipf",
+  "explicit/plain/one_owner",
+]
+
+
+def test_every_cyclic_run_is_reported(checks):
+  assert sorted(checks["cyclic"]["runs"]) == sorted(CYCLIC_RUNS)
+
+
+@pytest.mark.parametrize("run", CYCLIC_RUNS)
+def test_cyclic_tables_train_as_one_device_in_logical_order(checks, run):
+  """`row_placement="cyclic"`: the table (converted to cyclic order in NumPy) and its
+  state, read back in logical order, match one device's training on logical ids; the
+  default capacity; the state keeps the table's sharding; one all-to-all outside the
+  overflow path."""
+  result = checks["cyclic"]["runs"][run]
+  for name, (diff, relative) in result["max_abs_diff"].items():
+    assert diff <= F32_ATOL, (name, diff, relative)
+  assert result["stats"]["steps"] == 3
+  per_row = ("row_step", "row_last_step") + (("nu", "nu_max") if "/rowwise/" in run else ())
+  for name, spec in result["specs"].items():
+    assert spec == ("P('x',)" if name in per_row else "P('x', None)"), name
+  routed_path = [(op, n) for op, n, overflow in result["collectives"] if not overflow]
+  assert [op for op, _ in routed_path].count("all-to-all") == 1
+
+
+@pytest.mark.parametrize("mode", ["explicit", "auto_default"])
+def test_cyclic_placement_keeps_frequency_sorted_zipf_ids_routed(checks, mode):
+  """The Zipf ids' hot rows are the low ids: in blocks they all live on device 0 and
+  overflow even twice the share; cyclically they spread over every device and fit the
+  default capacity (at most twice the share)."""
+  assert checks["cyclic"]["runs"][f"{mode}/all_options/zipf"]["stats"]["overflowed_steps"] == 0
+  assert checks["runs"][f"{mode}/plain/zipf/cf2"]["stats"]["overflowed_steps"] > 0
+
+
+@pytest.mark.parametrize("mode", ["explicit", "auto_default"])
+def test_cyclic_lookup_and_converters(checks, mode):
+  """`sharded_lookup` of a cyclic table reads logical rows (Zipf, negative, out of range:
+  as `table[ids]`); `to_cyclic_rows`/`from_cyclic_rows` equal the NumPy permutation on a
+  row-sharded array and keep its sharding."""
+  result = checks["cyclic"][f"lookup/{mode}"]
+  assert result["max_abs_diff"] == 0.0
+  assert result["stats"] == {"steps": 0, "overflowed_steps": 0, "lookups": 1,
+                             "overflowed_lookups": 0}  # fmt: skip
+  assert result["to_cyclic_diff"] == result["from_cyclic_diff"] == 0.0
+  assert result["specs"] == ["P('x', None)", "P('x', None)"]
+
+
+@pytest.mark.parametrize(
+  ("name", "message"),
+  [
+    ("stochastic_rounding", "moment_rounding='stochastic'"),
+    ("optax_apply_if_finite", "cannot be routed"),
+    ("replicated_batch", "cannot be routed"),
+  ],
+)
+def test_a_cyclic_table_that_cannot_be_routed_is_refused(checks, name, message):
+  """Unrouted, a step would read logical ids as the cyclic table's physical rows: refused
+  when traced, before any state changes."""
+  error = checks["cyclic"]["errors"][name]
+  assert error is not None and message in error and "row_placement" in error
+
+
+def test_catch_up_rows_of_a_cyclic_table_catches_up_the_logical_rows(checks):
+  """`catch_up_rows` gathers a cyclic table's rows directly (not routed): it maps the
+  logical ids to their physical rows, and equals one device."""
+  assert checks["cyclic"]["catch_up_rows_diff"] <= F32_ATOL
+
+
+def test_a_cyclic_table_saved_in_logical_order_reshards_from_8_to_4_devices(checks):
+  """`from_cyclic_rows` on 8 devices, `to_cyclic_rows(x, 4)` on 4: the routed lookup of
+  every row reads the table exactly."""
+  assert checks["cyclic"]["resharded_diff"] == 0.0
+  assert checks["cyclic"]["resharded_spec"] == "P('x', None)"
+
+
+def test_a_flax_nnx_cyclic_table_trains_as_one_device(checks):
+  """`SparseEmbed` (2 ids per example, padding), `sparse_value_and_grad`, `SparseOptimizer`
+  with the table converted to cyclic order: routed lookup, step and apply, one device's
+  numbers in logical order."""
+  result = checks["flax_nnx_cyclic"]
+  if result is None:
+    pytest.skip("flax is not installed")
+  assert result["routed"] == ["apply", "lookup", "step"]
+  assert result["max_abs_diff"] <= F32_ATOL
+
+
+def test_cyclic_converters_on_one_device():
+  x = jnp.arange(12).reshape(6, 2)
+  np.testing.assert_array_equal(osa.to_cyclic_rows(x, 3), np.asarray(x)[[0, 3, 1, 4, 2, 5]])
+  np.testing.assert_array_equal(osa.from_cyclic_rows(osa.to_cyclic_rows(x, 3), 3), x)
+  with pytest.raises(ValueError, match="num_shards=4"):
+    osa.to_cyclic_rows(x, 4)
+
+
+def test_cyclic_ids_map_both_ways():
+  rows = jnp.array([0, 1, 5, 6, 11, 12, -1], jnp.int32)  # 12 rows, 3 shards of 4
+  physical = placement.physical_rows(rows, 12, 3)
+  np.testing.assert_array_equal(physical, [0, 4, 9, 2, 11, 12, -1])
+  np.testing.assert_array_equal(placement.logical_rows(physical, 12, 3), rows)
+
+
+def test_an_unknown_row_placement_is_refused():
+  with pytest.raises(ValueError, match="row_placement='diagonal'"):
+    with osa.sharded_routing(row_placement="diagonal"):
+      pass

@@ -297,6 +297,16 @@ def test_bad_gradients_fail_before_any_state_changes(make):
     (lambda: osa.sparse_adagrad(0.1, weight_decay=0.1), "not compatible with sparse gradients"),
     (lambda: osa.sparse_rowwise_adagrad(max_norm=-1.0), "max_norm must be a positive"),
     (
+      lambda: osa.sparse_sgd(0.1, momentum=0.9, lazy_momentum=True, catch_up_idle_rows=True),
+      "catch_up_idle_rows=True with momentum is not implemented",
+    ),
+    (
+      lambda: osa.sparse_rowwise_adagrad(
+        weight_decay=0.1, weight_decay_mode="l2", catch_up_idle_rows=True
+      ),
+      "catch_up_idle_rows=True with weight_decay_mode='l2' is not implemented",
+    ),
+    (
       lambda: osa.sparse_rule_transformation(
         SignRule(), SignHyper(0.1), slot_dtypes={"nu": "bfloat16"}
       ),
@@ -353,3 +363,25 @@ def test_rowwise_adam_max_norm_renormalises_the_touched_rows_after_each_step():
   np.testing.assert_array_equal(np.asarray(params["t"])[ROWS // 2 :], TABLE0[ROWS // 2 :])
   with pytest.raises(ValueError, match="max_norm does not compose with catch_up_idle_rows"):
     osa.sparse_adam(max_norm=1.0, catch_up_idle_rows=True)
+
+
+def test_a_rule_drives_the_flax_glue():
+  nnx = pytest.importorskip("flax.nnx")
+  model = osa.SparseEmbed(10, 4, rngs=nnx.Rngs(0))
+  before = np.asarray(model.embedding[...]).copy()
+  labels = osa.table_labels(model)
+  tx = optax.multi_transform(
+    {"sparse": osa.sparse_rowwise_adagrad(0.1), "dense": optax.adamw(0.1)}, labels
+  )
+  optimizer = osa.SparseOptimizer(model, tx, wrt=nnx.Param)
+
+  @nnx.jit(donate_argnums=(0, 1))
+  def train_step(model, optimizer, ids):
+    loss, grads = osa.sparse_value_and_grad(lambda m: (m(ids) ** 2).sum())(model)
+    optimizer.update(model, grads)
+    return loss
+
+  losses = [float(train_step(model, optimizer, jnp.array([1, 2, 2]))) for _ in range(3)]
+  after = np.asarray(model.embedding[...])
+  assert losses[-1] < losses[0]
+  np.testing.assert_array_equal(np.flatnonzero(np.any(after != before, axis=1)), [1, 2])

@@ -16,6 +16,7 @@ import pytest
 from jax.experimental import sparse
 
 from optax_sparse_adam import torch_compat as tc
+from optax_sparse_adam._backends import choice
 
 torch = pytest.importorskip("torch")
 
@@ -170,3 +171,12 @@ def test_a_sparse_parameter_is_refused_with_its_index(name):
   table = sparse.BCOO((jnp.ones((1, DIM)), jnp.array([[1]])), shape=(ROWS, DIM))
   with pytest.raises(ValueError, match=r"Sparse params at indices \[\[0, 1\]\]"):
     getattr(tc, name)([tc.Parameter(jnp.zeros((ROWS, DIM))), table])
+
+
+@pytest.mark.parametrize("name,options", [CASES[1], CASES[3]])
+def test_the_accelerator_step_forced_on_the_cpu_matches_torch_too(name, options):
+  torch_param, torch_opt, ours, our_opt = _pair(name, options)
+  with choice.choose(forced=choice.ACCELERATOR):
+    for batch in BATCHES:
+      _step(torch_param, torch_opt, ours, our_opt, batch)
+  _assert_close(torch_param, ours)
