@@ -201,7 +201,7 @@ def nnx_train_step(args, table, ids, targets, mesh):
     from flax import nnx
   except ImportError:
     return None
-  from optax_sparse_adam._core import routed
+  from optax_sparse_adam._core.sharded import routed
 
   class Model(nnx.Module):
     def __init__(self):
@@ -255,7 +255,7 @@ def nnx_train_step(args, table, ids, targets, mesh):
 
 def weak_scaling_worker(args):
   """One N: measures the partitioned and the routed step; prints one JSON line."""
-  from optax_sparse_adam._core import routed, routing
+  from optax_sparse_adam._core.sharded import routed, routing
 
   num_devices = jax.device_count()
   rng = np.random.default_rng(0)
@@ -402,7 +402,7 @@ def sorted_zipf(exponent, rows, size, rng):
 
 def skew_worker(args):
   """One N: per placement and ids, overflowing steps, bytes per device and step times."""
-  from optax_sparse_adam._core import routed
+  from optax_sparse_adam._core.sharded import routed
 
   num_devices = jax.device_count()
   batch = num_devices * args.local_batch

@@ -27,7 +27,7 @@ import argparse
 
 import numpy as np
 
-from optax_sparse_adam._core import routing
+from optax_sparse_adam._core.sharded import routing
 
 KINDS = {"uniform": None, "zipf 1.05": 1.05, "zipf 1.2": 1.2}
 PLACEMENTS = ("block", "cyclic")

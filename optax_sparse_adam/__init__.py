@@ -13,12 +13,6 @@ from optax_sparse_adam._backends.cpu.huge_pages import advise_huge_pages as advi
 from optax_sparse_adam._backends.cpu.kernels import available as cpu_kernels_available
 from optax_sparse_adam._backends.cpu.kernels import use_cpu_kernels as use_cpu_kernels
 from optax_sparse_adam._core.coalesce import coalesce_rows as coalesce_rows
-from optax_sparse_adam._core.lookup import sharded_lookup as sharded_lookup
-from optax_sparse_adam._core.overflow import RoutingStats as RoutingStats
-from optax_sparse_adam._core.overflow import routing_stats as routing_stats
-from optax_sparse_adam._core.placement import from_cyclic_rows as from_cyclic_rows
-from optax_sparse_adam._core.placement import to_cyclic_rows as to_cyclic_rows
-from optax_sparse_adam._core.routed import sharded_routing as sharded_routing
 from optax_sparse_adam._core.row_rules.adagrad import AdagradHyperparams as AdagradHyperparams
 from optax_sparse_adam._core.row_rules.adagrad import AdagradRule as AdagradRule
 from optax_sparse_adam._core.row_rules.adam import AdamCoefficients as AdamCoefficients
@@ -34,6 +28,12 @@ from optax_sparse_adam._core.row_rules.sgd import SGDRule as SGDRule
 from optax_sparse_adam._core.rules import RowBlock as RowBlock
 from optax_sparse_adam._core.rules import RowRule as RowRule
 from optax_sparse_adam._core.rules import Slot as Slot
+from optax_sparse_adam._core.sharded.lookup import sharded_lookup as sharded_lookup
+from optax_sparse_adam._core.sharded.overflow import RoutingStats as RoutingStats
+from optax_sparse_adam._core.sharded.overflow import routing_stats as routing_stats
+from optax_sparse_adam._core.sharded.placement import from_cyclic_rows as from_cyclic_rows
+from optax_sparse_adam._core.sharded.placement import to_cyclic_rows as to_cyclic_rows
+from optax_sparse_adam._core.sharded.routed import sharded_routing as sharded_routing
 from optax_sparse_adam._optax.apply import apply_updates as apply_updates
 from optax_sparse_adam._optax.catch_up import catch_up_all_rows as catch_up_all_rows
 from optax_sparse_adam._optax.catch_up import catch_up_rows as catch_up_rows

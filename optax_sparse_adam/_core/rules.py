@@ -32,9 +32,9 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from optax_sparse_adam._core import sharding
 from optax_sparse_adam._core.bcoo import RowLayout
 from optax_sparse_adam._core.rounding import MomentRounding, SlotStore
+from optax_sparse_adam._core.sharded import sharding
 
 WeightDecay = Literal["none", "l2", "decoupled"]
 

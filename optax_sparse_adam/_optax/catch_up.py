@@ -14,9 +14,10 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_sparse_adam._core import catch_up, routed
+from optax_sparse_adam._core import catch_up
 from optax_sparse_adam._core.errors import flatten_up_to, is_python_number, leaves_up_to
 from optax_sparse_adam._core.row_rules import adam
+from optax_sparse_adam._core.sharded import routed
 from optax_sparse_adam._optax import leaf
 
 # The options of each transformation made with catch_up_idle_rows=True, by its

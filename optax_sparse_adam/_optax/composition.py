@@ -26,7 +26,7 @@ import optax
 from jax import lax
 from jax.experimental import sparse
 
-from optax_sparse_adam._core import bcoo, coalesce, sharding
+from optax_sparse_adam._core import bcoo, coalesce
 from optax_sparse_adam._core.errors import (
   describe,
   flatten_grads,
@@ -35,6 +35,7 @@ from optax_sparse_adam._core.errors import (
   leaves_up_to,
   path_str,
 )
+from optax_sparse_adam._core.sharded import sharding
 
 
 def _param_shape(grad: sparse.BCOO, param: Any) -> tuple[int, ...]:

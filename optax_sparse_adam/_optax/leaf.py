@@ -25,7 +25,7 @@ from jax.experimental import sparse
 from jax.sharding import PartitionSpec
 
 from optax_sparse_adam._backends import dispatch
-from optax_sparse_adam._core import auto_partition, bcoo, routed, sharding
+from optax_sparse_adam._core import bcoo
 from optax_sparse_adam._core.errors import is_python_number, path_str
 from optax_sparse_adam._core.row_rules import adam
 from optax_sparse_adam._core.row_rules.adam import AdamCoefficients, AdamRule, LeafState
@@ -37,6 +37,7 @@ from optax_sparse_adam._core.rules import (
   Tables,
   WeightDecay,
 )
+from optax_sparse_adam._core.sharded import auto_partition, routed, sharding
 
 
 def weight_decay_mode(weight_decay: Any, *, decoupled: bool) -> WeightDecay:

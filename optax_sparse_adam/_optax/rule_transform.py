@@ -22,9 +22,10 @@ import numpy as np
 import optax
 from jax.experimental import sparse
 
-from optax_sparse_adam._core import bcoo, rounding, rules, sharding
+from optax_sparse_adam._core import bcoo, rounding, rules
 from optax_sparse_adam._core.errors import describe, flatten_grads, leaves_up_to, path_str
 from optax_sparse_adam._core.hyperparams import moment_dtype
+from optax_sparse_adam._core.sharded import sharding
 from optax_sparse_adam._optax import leaf
 from optax_sparse_adam._optax.state import check_param_steps
 

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_sparse_adam._core import bcoo, rounding, rules, sharding
+from optax_sparse_adam._core import bcoo, rounding, rules
 from optax_sparse_adam._core.errors import (
   flatten_grads,
   leaves_up_to,
@@ -18,6 +18,7 @@ from optax_sparse_adam._core.rounding import MomentRounding
 from optax_sparse_adam._core.row_rules import adam
 from optax_sparse_adam._core.row_rules.adam import AdamRule
 from optax_sparse_adam._core.row_rules.rowwise_adam import RowwiseAdamRule
+from optax_sparse_adam._core.sharded import sharding
 from optax_sparse_adam._optax import catch_up, leaf
 from optax_sparse_adam._optax.rule_transform import (
   advance_param_steps,

@@ -33,8 +33,8 @@ from jax import lax
 from jax.custom_derivatives import SymbolicZero
 from jax.extend import core as jax_core
 
-from optax_sparse_adam._core import lookup
 from optax_sparse_adam._core.errors import describe
+from optax_sparse_adam._core.sharded import lookup
 
 # nnx.Embed's and nn.Embed's initializer, so the tables are drop-ins.
 default_embed_init = jax.nn.initializers.variance_scaling(

@@ -29,7 +29,7 @@ from jax.sharding import AxisType, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import optax_sparse_adam as osa  # noqa: E402
-from optax_sparse_adam._core import lookup, routed  # noqa: E402
+from optax_sparse_adam._core.sharded import lookup, routed  # noqa: E402
 
 NUM_DEVICES = 8
 NUM_ROWS, DIM, BATCH, STEPS = 4096, 8, 256, 3

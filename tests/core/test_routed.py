@@ -10,7 +10,7 @@ import pytest
 from jax.experimental import sparse
 
 import optax_sparse_adam as osa
-from optax_sparse_adam._core import placement, routing
+from optax_sparse_adam._core.sharded import placement, routing
 from tests.core._forced_devices import run_checks
 
 # Float32: a row's entries on several devices are summed per device first, then

@@ -16,7 +16,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import optax_sparse_adam as osa
-from optax_sparse_adam._core import sharding
+from optax_sparse_adam._core.sharded import sharding
 from tests.core._forced_devices import run_checks
 
 ROOT = Path(__file__).resolve().parents[2]

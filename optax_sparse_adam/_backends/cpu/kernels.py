@@ -39,13 +39,13 @@ import jax.numpy as jnp
 
 from optax_sparse_adam._backends import choice
 from optax_sparse_adam._backends.cpu import moment_steps
-from optax_sparse_adam._core import sharding
 from optax_sparse_adam._core.bcoo import RowLayout
 from optax_sparse_adam._core.row_rules.adam import AdamRule
 from optax_sparse_adam._core.row_rules.rowwise_adam import (
   RowwiseAdamRule,
 )
 from optax_sparse_adam._core.rules import RowsStep, StepInputs, StepPlan
+from optax_sparse_adam._core.sharded import sharding
 
 _SCATTER_ADD_ROWS = "optax_sparse_adam_scatter_add_rows_f32"
 

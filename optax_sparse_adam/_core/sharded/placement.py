@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
 
-from optax_sparse_adam._core import sharding
+from optax_sparse_adam._core.sharded import sharding
 
 BLOCK, CYCLIC = "block", "cyclic"
 PLACEMENTS = (BLOCK, CYCLIC)

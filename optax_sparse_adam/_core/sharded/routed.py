@@ -50,8 +50,9 @@ from jax import lax
 from jax.experimental import sparse
 from jax.sharding import PartitionSpec
 
-from optax_sparse_adam._core import bcoo, coalesce, overflow, placement, routing, sharding
+from optax_sparse_adam._core import bcoo, coalesce
 from optax_sparse_adam._core.rules import RowsStep, StepInputs, StepPlan, Tables
+from optax_sparse_adam._core.sharded import overflow, placement, routing, sharding
 from optax_sparse_adam._core.switches import Switch
 
 # Names the overflow path's ops in the compiled program (benchmarks and tests

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jax.experimental import custom_partitioning as cp
 from jax.sharding import NamedSharding, PartitionSpec
 
-from optax_sparse_adam._core import routed, sharding
+from optax_sparse_adam._core.sharded import routed, sharding
 
 # How an operand's sharding reads: split by rows over the axis, whole, or other.
 ROWS, WHOLE, OTHER = "rows", "whole", "other"

@@ -23,10 +23,9 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec
 
-from optax_sparse_adam._core import (
+from optax_sparse_adam._core import bcoo, coalesce
+from optax_sparse_adam._core.sharded import (
   auto_partition,
-  bcoo,
-  coalesce,
   overflow,
   partitioned,
   placement,

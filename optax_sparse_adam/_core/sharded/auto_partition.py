@@ -36,8 +36,9 @@ import jax.numpy as jnp
 from jax.experimental import sparse
 from jax.sharding import NamedSharding, PartitionSpec
 
-from optax_sparse_adam._core import bcoo, overflow, partitioned, routed, routing
+from optax_sparse_adam._core import bcoo
 from optax_sparse_adam._core.rules import RowsStep, StepInputs, StepPlan, Tables
+from optax_sparse_adam._core.sharded import overflow, partitioned, routed, routing
 
 
 def plan_step(grad: sparse.BCOO, tables: Tables, plan: StepPlan) -> routed.Plan | None:
