@@ -8,7 +8,7 @@
 // work in one pass per table: coalesce the gradient's row ids (a stable radix
 // sort), then for each distinct row read its state once, update it in place and
 // write the parameter delta. The arithmetic is the rule's `update` (`AdamRule`
-// in _core/adam.py, `RowwiseAdamRule` in _core/rowwise_adam.py), operation for
+// in _core/row_rules/adam.py, `RowwiseAdamRule` in _core/row_rules/rowwise_adam.py), operation for
 // operation: every product and sum is rounded on its own (compiled with
 // -ffp-contract=off, so no FMA), square root and division are IEEE, and
 // duplicate entries are summed in input order starting from +0.0, as XLA's
