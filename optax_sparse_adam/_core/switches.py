@@ -25,6 +25,10 @@ class Switch(Generic[Switches]):
     """The switches in force now."""
     return self._context.value
 
+  def set_default(self, **changes: Any) -> None:
+    """Changes the switches in force outside every `choose` block (a new cache key)."""
+    self._context.set_global(self._context.get_global()._replace(**changes))
+
   @contextlib.contextmanager
   def choose(self, **changes: Any) -> Iterator[None]:
     """Within this block, steps traced use `current()` with `changes`, checked first."""

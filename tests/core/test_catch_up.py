@@ -255,9 +255,10 @@ def test_touched_rows_follow_dense_adam(name, path):
 
 
 def test_without_jit():
-  params, state, _, ref, bound = run(OPTIONS["adamw"], touch_pattern(13), jit=False)
-  assert_moments(state, ref, [0, 1, 2, 3, 4])
-  assert_params(params, ref, bound, [0, 1, 2, 3, 4])
+  # 7 eager steps (eager ops are slow): rows 0, 1, 2 and 4 are touched at the last one.
+  params, state, _, ref, bound = run(OPTIONS["adamw"], touch_pattern(7), jit=False)
+  assert_moments(state, ref, [0, 1, 2, 4])
+  assert_params(params, ref, bound, [0, 1, 2, 4])
 
 
 def test_lazy_differs_where_catch_up_agrees():
@@ -408,7 +409,7 @@ def test_steps_after_catch_up_all_rows_go_on_as_dense():
 
 def test_catch_up_rows_reads_rows_as_dense_adam_has_them():
   """Catching a batch's rows up before the step equals catching them up in the step."""
-  pattern = touch_pattern(13)
+  pattern = touch_pattern(7)
   opt = osa.sparse_adamw(0.05, weight_decay=0.5, catch_up_idle_rows=True)
   params = jnp.asarray(np.random.default_rng(0).normal(size=(VOCAB, DIM)), jnp.float32)
   in_step = (params, opt.init(params))

@@ -575,3 +575,20 @@ def test_an_unknown_row_placement_is_refused():
   with pytest.raises(ValueError, match="row_placement='diagonal'"):
     with osa.sharded_routing(row_placement="diagonal"):
       pass
+
+
+@pytest.mark.parametrize("what", ["step", "lookup"])
+def test_once_tables_are_cyclic_an_unsaid_placement_is_refused(checks, what):
+  """A cyclic table is a plain array: traced outside the cyclic block it would be read in
+  blocks. Once the process has placed tables cyclically, a row-split step or lookup
+  traced where no placement is said is refused, before any state changes."""
+  message = checks["cyclic"]["unsaid"][what]
+  assert message is not None, f"the {what} was not refused"
+  assert "outside sharded_routing(row_placement=...)" in message
+  assert "row_placement='block'" in message
+
+
+def test_a_block_table_said_block_runs_after_cyclic_tables(checks):
+  diffs = checks["cyclic"]["unsaid"]["block_max_abs_diff"]
+  assert set(diffs) == {"table", "mu", "nu"}
+  assert all(value == 0.0 for values in diffs.values() for value in values), diffs

@@ -57,7 +57,7 @@ def plan_step(grad: sparse.BCOO, tables: Tables, plan: StepPlan) -> routed.Plan 
   if not routing.int32_fits(grad.shape[0], num_shards * num_shards * capacity):
     return None
   routed.check_placement(plan, [], "step")
-  return routed.Plan(axis, None, num_shards, capacity, routed.is_cyclic())
+  return routed.Plan(axis, None, num_shards, capacity, routed.is_cyclic(num_shards, "step"))
 
 
 def plan_apply(param: jax.Array, update: sparse.BCOO) -> routed.Plan | None:
@@ -66,7 +66,7 @@ def plan_apply(param: jax.Array, update: sparse.BCOO) -> routed.Plan | None:
   if found is None:
     return None
   axis, num_shards = found
-  return routed.Plan(axis, None, num_shards, 0, routed.is_cyclic())
+  return routed.Plan(axis, None, num_shards, 0, routed.is_cyclic(num_shards, "apply"))
 
 
 def _split_axis(tables: list[jax.Array], entries: sparse.BCOO) -> tuple[str, int] | None:

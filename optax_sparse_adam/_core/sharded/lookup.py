@@ -120,7 +120,7 @@ def _plan(table: jax.Array, ids: jax.Array) -> routed.Plan | None:
     return None
   local = ids.shape[0] // num_shards
   capacity = routing.capacity(local, num_shards, choice.capacity_factor)
-  return routed.Plan(axis, mesh, num_shards, capacity, routed.is_cyclic())
+  return routed.Plan(axis, mesh, num_shards, capacity, routed.is_cyclic(num_shards, "lookup"))
 
 
 def _auto_plan(table: jax.Array, ids: jax.Array) -> routed.Plan | None:
@@ -136,7 +136,7 @@ def _auto_plan(table: jax.Array, ids: jax.Array) -> routed.Plan | None:
     return None
   local = ids.shape[0] // num_shards
   capacity = routing.capacity(local, num_shards, routed.current().capacity_factor)
-  return routed.Plan(axis, None, num_shards, capacity, routed.is_cyclic())
+  return routed.Plan(axis, None, num_shards, capacity, routed.is_cyclic(num_shards, "lookup"))
 
 
 def _auto_lookup(

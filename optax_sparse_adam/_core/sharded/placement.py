@@ -30,6 +30,51 @@ from optax_sparse_adam._core.sharded import sharding
 
 BLOCK, CYCLIC = "block", "cyclic"
 PLACEMENTS = (BLOCK, CYCLIC)
+# Whether this process has placed rows cyclically (a cyclic block entered, or
+# `to_cyclic_rows` over several shards). A cyclic table is a plain (V, D) array,
+# so nothing on it says its order: once cyclic tables may exist, a row-split
+# table stepped, applied or looked up where no placement was said is refused
+# instead of being read in blocks (`refuse_unsaid`).
+_cyclic_used = False
+_on_cyclic_use: list[Callable[[], None]] = []
+
+
+def on_cyclic_use(hook: Callable[[], None]) -> None:
+  """Calls `hook` when this process first places tables cyclically."""
+  _on_cyclic_use.append(hook)
+
+
+def note_cyclic_use() -> None:
+  """Records that this process holds (or is about to hold) cyclic tables.
+
+  Only where it has several devices: on one, no table is split by rows, so none
+  can be read in the wrong order.
+  """
+  global _cyclic_used
+  if _cyclic_used or jax.device_count() < 2:
+    return
+  _cyclic_used = True
+  for hook in _on_cyclic_use:
+    hook()
+
+
+def refuse_unsaid(row_placement: str | None, split_over: int, what: str) -> None:
+  """Refuses a row-split table traced where no placement was said, once cyclic tables exist.
+
+  Args:
+    row_placement: the placement in force: "block", "cyclic", or None (not said).
+    split_over: the devices the table's rows are split over (1: not split).
+    what: the operation, for the message.
+  """
+  if row_placement is None and _cyclic_used and split_over > 1:
+    raise ValueError(
+      f"A {what} of a table split by rows over {split_over} devices is traced outside "
+      "sharded_routing(row_placement=...), but this process has placed tables cyclically "
+      "(row_placement='cyclic' or to_cyclic_rows), and a cyclic table read in blocks would "
+      "step or read the wrong rows. Trace it inside sharded_routing(row_placement='cyclic') "
+      "for a cyclic table, or sharded_routing(row_placement='block') for a table in logical "
+      "order."
+    )
 
 
 def physical_rows(rows: jax.Array, num_rows: int, num_shards: int) -> jax.Array:
@@ -83,6 +128,8 @@ def to_cyclic_rows(x: jax.Array, num_shards: int) -> jax.Array:
     Array([0, 2, 4, 1, 3, 5], dtype=int32)
   """
   _check(x, num_shards, "to_cyclic_rows")
+  if num_shards > 1:
+    note_cyclic_use()
 
   def convert(x: jax.Array) -> jax.Array:
     folded = x.reshape((x.shape[0] // num_shards, num_shards) + x.shape[1:])
@@ -132,14 +179,21 @@ def _keeping_sharding(convert: Callable[[jax.Array], jax.Array], x: jax.Array) -
 
 
 def check(
-  row_placement: str, auto_axis: str | None, plan: Any, arrays: list[Any], what: str
+  row_placement: str | None, auto_axis: str | None, plan: Any, arrays: list[Any], what: str
 ) -> None:
   """Refuses cyclic tables where the step cannot honour them (before any state changes).
 
   `plan` (a `StepPlan`) given: a routed step of stochastically rounded moments
   (its bits key on block rows). `plan` None: an unrouted step, apply or lookup
   of `arrays` split by rows, which would read logical ids as physical rows.
+  No placement said while cyclic tables exist: refused (`refuse_unsaid`).
   """
+  if row_placement is None:
+    for x in arrays:
+      found = x is not None and sharding.split_rows(x, auto_axis)
+      if found:
+        refuse_unsaid(row_placement, found[1].shape[found[0]], what)
+    return
   if row_placement != CYCLIC:
     return
   if plan is not None:
@@ -161,7 +215,7 @@ def check(
 
 
 def physical_ids(
-  rows: jax.Array, table: jax.Array, row_placement: str, auto_axis: str | None, what: str
+  rows: jax.Array, table: jax.Array, row_placement: str | None, auto_axis: str | None, what: str
 ) -> jax.Array:
   """Logical ids as the rows of `table` to index directly (an unrouted gather or scatter).
 
@@ -171,6 +225,7 @@ def physical_ids(
   refused, as the order of its rows cannot be told.
   """
   if row_placement != CYCLIC:
+    check(row_placement, auto_axis, None, [table], what)
     return rows
   found = sharding.split_rows(table, auto_axis)
   if found:

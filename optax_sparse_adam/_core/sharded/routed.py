@@ -73,27 +73,36 @@ class Routing(NamedTuple):
       gradient entries are taken to be split by rows; None leaves the choice to
       the shardings XLA's partitioner picks (`auto_partition`).
     row_placement: how row-split tables hold their rows, "block" or "cyclic"
-      (`placement`).
+      (`placement`); None: not said, blocks (refused once this process has
+      placed tables cyclically: `placement.refuse_unsaid`).
+    cyclic_seen: set outside every block once this process has placed tables
+      cyclically, so that steps traced before are traced again (and checked).
   """
 
   enabled: bool = True
   capacity_factor: float | None = None
   auto_axis: str | None = None
-  row_placement: str = placement.BLOCK
+  row_placement: str | None = None
+  cyclic_seen: bool = False
 
 
 def _check(choice: Routing) -> None:
   if choice.capacity_factor is not None and not choice.capacity_factor >= 1:
     raise ValueError(f"capacity_factor={choice.capacity_factor!r}; expected a number >= 1")
-  if choice.row_placement not in placement.PLACEMENTS:
+  if choice.row_placement is not None and choice.row_placement not in placement.PLACEMENTS:
     raise ValueError(
       f"row_placement={choice.row_placement!r}; expected one of {placement.PLACEMENTS}"
     )
   if choice.row_placement == placement.CYCLIC and not choice.enabled:
     raise ValueError("row_placement='cyclic' needs routing enabled: only routed steps map ids")
+  if choice.row_placement == placement.CYCLIC:
+    placement.note_cyclic_use()
 
 
 _SWITCH = Switch(Routing(), _check)
+# Once tables are cyclic, functions traced before with no placement said are traced
+# again (a new cache key), so that `placement.refuse_unsaid` sees them.
+placement.on_cyclic_use(lambda: _SWITCH.set_default(cyclic_seen=True))
 # The routing switches in force now; within `choose(**changes)`, steps traced use them changed.
 current = _SWITCH.current
 choose = _SWITCH.choose
@@ -104,7 +113,7 @@ def sharded_routing(
   *,
   capacity_factor: float | None = None,
   auto_axis: str | None = None,
-  row_placement: str = "block",
+  row_placement: str | None = None,
 ) -> contextlib.AbstractContextManager[None]:
   """Within this block, steps traced route (or not) the gradients of row-sharded tables.
 
@@ -151,8 +160,11 @@ def sharded_routing(
       gradients and updates stay logical. A frequency-sorted vocabulary then
       spreads its hot rows over every device and skewed ids stay routed
       (docs/sharding.md). A row-split table that cannot be routed is refused.
-      Trace every step of a cyclic table inside the block: traced outside, it
-      is stepped as blocks.
+      None (the default): the enclosing block's placement, else blocks; once
+      this process has placed tables cyclically (a cyclic block, or
+      `to_cyclic_rows`), a row-split table traced where no placement was said
+      is refused rather than read in blocks: say "block" for tables in
+      logical order.
 
   Returns:
     A context manager.
@@ -162,12 +174,8 @@ def sharded_routing(
     >>> with osa.sharded_routing(capacity_factor=4.0):
     ...   pass  # steps traced here route with 4x the even share per owner
   """
-  return choose(
-    enabled=enabled,
-    capacity_factor=capacity_factor,
-    auto_axis=auto_axis,
-    row_placement=row_placement,
-  )
+  said = {} if row_placement is None else {"row_placement": row_placement}
+  return choose(enabled=enabled, capacity_factor=capacity_factor, auto_axis=auto_axis, **said)
 
 
 class Plan(NamedTuple):
@@ -184,9 +192,15 @@ class Plan(NamedTuple):
   cyclic: bool = False
 
 
-def is_cyclic() -> bool:
-  """Whether row-split tables traced now hold their rows cyclically."""
-  return current().row_placement == placement.CYCLIC
+def is_cyclic(num_shards: int, what: str) -> bool:
+  """Whether the row-split table of a routed `what` traced now holds its rows cyclically.
+
+  Refused where no placement is said once this process has placed tables
+  cyclically (`placement.refuse_unsaid`).
+  """
+  row_placement = current().row_placement
+  placement.refuse_unsaid(row_placement, num_shards, what)
+  return row_placement == placement.CYCLIC
 
 
 def check_placement(plan: StepPlan | None, arrays: list[Any], what: str) -> None:
@@ -221,13 +235,15 @@ def plan_step(grad: sparse.BCOO, tables: Tables, plan: StepPlan) -> Plan | None:
   if not routing.int32_fits(grad.shape[0], num_shards * num_shards * capacity):
     return None
   check_placement(plan, [], "step")
-  return Plan(axis, mesh, num_shards, capacity, is_cyclic())
+  return Plan(axis, mesh, num_shards, capacity, is_cyclic(num_shards, "step"))
 
 
 def plan_apply(param: jax.Array, update: sparse.BCOO) -> Plan | None:
   """The `Plan` of `param + update`, or None where it is not routed."""
   found = _plan(update, [param])
-  return None if found is None else Plan(*found, capacity=0, cyclic=is_cyclic())
+  if found is None:
+    return None
+  return Plan(*found, capacity=0, cyclic=is_cyclic(found[2], "apply"))
 
 
 def masked_step(
