@@ -127,7 +127,7 @@ def _coalesced(case, data, indices) -> np.ndarray:
   return -grad if case["maximize"] else grad
 
 
-@settings(max_examples=1500)
+@settings(max_examples=800)
 @given(_cases())
 def test_steps_match_the_numpy_reference(case):
   """Every step: untouched entries keep their bits; touched moments match the reference

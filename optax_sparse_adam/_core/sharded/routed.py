@@ -72,11 +72,10 @@ class Routing(NamedTuple):
     auto_axis: under `Auto` mesh axes, the axis over which traced tables and
       gradient entries are taken to be split by rows; None leaves the choice to
       the shardings XLA's partitioner picks (`auto_partition`).
-    row_placement: how row-split tables hold their rows, "block" or "cyclic"
-      (`placement`); None: not said, blocks (refused once this process has
-      placed tables cyclically: `placement.refuse_unsaid`).
-    cyclic_seen: set outside every block once this process has placed tables
-      cyclically, so that steps traced before are traced again (and checked).
+    row_placement: "block", "cyclic" (`placement`), or None: not said (blocks,
+      refused once tables are cyclic: `placement.refuse_unsaid`).
+    cyclic_seen: set once tables are cyclic: a new cache key, so steps traced
+      before are traced (and checked) again.
   """
 
   enabled: bool = True
@@ -100,8 +99,6 @@ def _check(choice: Routing) -> None:
 
 
 _SWITCH = Switch(Routing(), _check)
-# Once tables are cyclic, functions traced before with no placement said are traced
-# again (a new cache key), so that `placement.refuse_unsaid` sees them.
 placement.on_cyclic_use(lambda: _SWITCH.set_default(cyclic_seen=True))
 # The routing switches in force now; within `choose(**changes)`, steps traced use them changed.
 current = _SWITCH.current
@@ -124,10 +121,8 @@ def sharded_routing(
   `all_to_all` sends each row's sum to the device that owns the row, and the
   owner steps its rows; `apply_updates` then adds each device's rows locally.
   A device sends and receives a fixed number of slots per owner, the
-  capacity, and computes on as many rows: by default the even share of its
-  local entries plus six standard deviations of a uniform batch's count (1.35
-  times its local entries for 2048 entries on 8 devices, at most twice them),
-  whatever the number of devices (docs/sharding.md).
+  capacity: by default the even share of its local entries plus six standard
+  deviations of a uniform batch's count (docs/sharding.md).
 
   Routing is chosen from the sharding of concrete arrays, and from the types of
   values traced under a mesh with `Explicit` axes. Under `Auto` axes (a mesh of
@@ -160,11 +155,8 @@ def sharded_routing(
       gradients and updates stay logical. A frequency-sorted vocabulary then
       spreads its hot rows over every device and skewed ids stay routed
       (docs/sharding.md). A row-split table that cannot be routed is refused.
-      None (the default): the enclosing block's placement, else blocks; once
-      this process has placed tables cyclically (a cyclic block, or
-      `to_cyclic_rows`), a row-split table traced where no placement was said
-      is refused rather than read in blocks: say "block" for tables in
-      logical order.
+      None (the default): the enclosing block's, else blocks; once tables are
+      cyclic, a row-split table traced with none said is refused.
 
   Returns:
     A context manager.
@@ -193,11 +185,7 @@ class Plan(NamedTuple):
 
 
 def is_cyclic(num_shards: int, what: str) -> bool:
-  """Whether the row-split table of a routed `what` traced now holds its rows cyclically.
-
-  Refused where no placement is said once this process has placed tables
-  cyclically (`placement.refuse_unsaid`).
-  """
+  """Whether a routed `what`'s table holds its rows cyclically (`placement.refuse_unsaid`)."""
   row_placement = current().row_placement
   placement.refuse_unsaid(row_placement, num_shards, what)
   return row_placement == placement.CYCLIC
