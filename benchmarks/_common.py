@@ -288,10 +288,9 @@ def time_torch_sparse_adam(
     torch.set_num_threads(default_threads)
 
 
-def _time_torch(ids, values, num_rows, *, huge_pages, steps, repeats):
-  dim = values[0].shape[1]
-  param = torch.nn.Parameter(torch.zeros(num_rows, dim))
-  opt = torch.optim.SparseAdam([param], lr=1e-3)
+def torch_sparse_steps(param, opt, ids, values):
+  """`run(n)`: `n` steps of a torch optimizer over `param`, cycling the batches' sparse grads."""
+  num_rows, dim = param.shape
   grads = [
     torch.sparse_coo_tensor(
       torch.from_numpy(i.astype(np.int64))[None],
@@ -306,6 +305,15 @@ def _time_torch(ids, values, num_rows, *, huge_pages, steps, repeats):
     for k in range(n):
       param.grad = grads[k % len(grads)]
       opt.step()
+
+  return run
+
+
+def _time_torch(ids, values, num_rows, *, huge_pages, steps, repeats):
+  dim = values[0].shape[1]
+  param = torch.nn.Parameter(torch.zeros(num_rows, dim))
+  opt = torch.optim.SparseAdam([param], lr=1e-3)
+  run = torch_sparse_steps(param, opt, ids, values)
 
   if huge_pages:  # the same advice for torch's table and moments (made by one step)
     with torch.no_grad():

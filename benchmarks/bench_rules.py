@@ -23,7 +23,6 @@ import argparse
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.experimental import sparse
 
 import optax_sparse_adam as osa
@@ -53,21 +52,7 @@ def _time_torch(make, ids, values, num_rows, *, steps, repeats):
   torch = c.torch
   dim = values[0].shape[1]
   param = torch.nn.Parameter(torch.zeros(num_rows, dim))
-  opt = make([param])
-  grads = [
-    torch.sparse_coo_tensor(
-      torch.from_numpy(i.astype(np.int64))[None],
-      torch.from_numpy(v),
-      (num_rows, dim),
-      check_invariants=False,
-    )
-    for i, v in zip(ids, values, strict=True)
-  ]
-
-  def run(n):
-    for k in range(n):
-      param.grad = grads[k % len(grads)]
-      opt.step()
+  run = c.torch_sparse_steps(param, make([param]), ids, values)
 
   # torch's sparse Adagrad builds sparse tensors without saying whether to check them.
   with torch.no_grad(), torch.sparse.check_sparse_tensor_invariants(enable=False):
