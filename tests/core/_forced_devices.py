@@ -30,10 +30,10 @@ def force_cpu_devices(count: int) -> None:
   os.environ["JAX_PLATFORMS"] = "cpu"
 
 
-def run_checks(script: str, *, timeout: float = 600) -> Any:
-  """Runs `tests/core/<script>` in a fresh interpreter and returns the JSON it prints."""
+def run_checks(script: str, *args: str, timeout: float = 600) -> Any:
+  """Runs `tests/core/<script> *args` in a fresh interpreter and returns the JSON it prints."""
   done = subprocess.run(
-    [sys.executable, str(ROOT / "tests" / "core" / script)],
+    [sys.executable, str(ROOT / "tests" / "core" / script), *args],
     capture_output=True,
     text=True,
     env=dict(os.environ, PYTHONPATH=str(ROOT)),

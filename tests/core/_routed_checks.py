@@ -6,7 +6,8 @@ JAX starts). Each run trains a row-sharded table a few jitted, donated steps
 differences, whether the step was routed (an all-to-all in the compiled step),
 and the collectives outside the overflow path.
 
-  PYTHONPATH=. python tests/core/_routed_checks.py   # prints one JSON object
+  PYTHONPATH=. python tests/core/_routed_checks.py         # the default tier, as JSON
+  PYTHONPATH=. python tests/core/_routed_checks.py --all   # and the slow tier's runs
 """
 
 from tests.core._forced_devices import force_cpu_devices
@@ -30,6 +31,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import optax_sparse_adam as osa  # noqa: E402
 from optax_sparse_adam._core.sharded import lookup, routed  # noqa: E402
+from tests.core._routed_tiers import SLOW_RUNS  # noqa: E402
 
 NUM_DEVICES = 8
 NUM_ROWS, DIM, BATCH, STEPS = 4096, 8, 256, 3
@@ -683,8 +685,12 @@ def main():
     ("stochastic", "zipf", "auto_default", 1.0),
   ]
   cases += [("all_options", "zipf", "auto_off", 2.0)]  # sharded_routing(False): left to XLA
+  every_run = "--all" in sys.argv[1:]
   references = {}
   for opt_name, kind, mode, capacity_factor in cases:
+    name = f"{mode}/{opt_name}/{kind}/cf{capacity_factor:g}"
+    if name in SLOW_RUNS and not every_run:
+      continue
     if (opt_name, kind) not in references:
       references[opt_name, kind] = train(opt_name, kind)
     axis_type = AxisType.Explicit if mode == "explicit" else AxisType.Auto
@@ -696,7 +702,7 @@ def main():
     ):
       run = train(opt_name, kind, mesh=mesh)
     run["max_abs_diff"] = compare(run, references[opt_name, kind])
-    results["runs"][f"{mode}/{opt_name}/{kind}/cf{capacity_factor:g}"] = run
+    results["runs"][name] = run
   # A mesh of two axes: rows over "x" (4 devices), the batch over "x" (routed,
   # each "y" pair computing the same) or over "y" (not routed: XLA partitions it).
   two_axes = jax.make_mesh((4, 2), ("x", "y"), axis_types=(AxisType.Explicit,) * 2)

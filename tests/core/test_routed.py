@@ -12,6 +12,7 @@ from jax.experimental import sparse
 import optax_sparse_adam as osa
 from optax_sparse_adam._core.sharded import placement, routing
 from tests.core._forced_devices import run_checks
+from tests.core._routed_tiers import SLOW_RUNS
 
 # Float32: a row's entries on several devices are summed per device first, then
 # the devices' sums in device order, where one device adds them one by one.
@@ -21,8 +22,25 @@ BF16_RELATIVE = 2.0**-5
 
 
 @pytest.fixture(scope="module")
-def checks():
+def default_tier_checks():
   return run_checks("_routed_checks.py", timeout=600)
+
+
+@pytest.fixture(scope="module")
+def every_check():
+  return run_checks("_routed_checks.py", "--all", timeout=900)
+
+
+@pytest.fixture
+def checks(request):
+  """The default tier's runs; a test marked slow (a run in `SLOW_RUNS`) reads every run."""
+  slow = request.node.get_closest_marker("slow") is not None
+  return request.getfixturevalue("every_check" if slow else "default_tier_checks")
+
+
+def tiered(runs):
+  """`runs` as parameters, those of the slow tier marked slow."""
+  return [pytest.param(run, marks=pytest.mark.slow) if run in SLOW_RUNS else run for run in runs]
 
 
 ROUTED_RUNS = [
@@ -89,14 +107,17 @@ UNROUTED_RUNS += OPTAX_APPLY_IF_FINITE_RUNS
 UNROUTED_RUNS += ["auto_off/all_options/zipf/cf2", "auto_default/two_axes"]
 
 
-def test_every_run_is_reported(checks):
-  expected = [*ROUTED_RUNS, *UNROUTED_RUNS, "auto/replicated_batch_of_256", *KEPT_LAYOUTS]
+EVERY_RUN = [*ROUTED_RUNS, *UNROUTED_RUNS, "auto/replicated_batch_of_256", *KEPT_LAYOUTS]
+
+
+@pytest.mark.parametrize("tier", ["default", pytest.param("all", marks=pytest.mark.slow)])
+def test_every_run_is_reported(checks, tier):
+  expected = EVERY_RUN if tier == "all" else [run for run in EVERY_RUN if run not in SLOW_RUNS]
   assert sorted(checks["runs"]) == sorted(expected)
+  assert SLOW_RUNS < set(EVERY_RUN)
 
 
-@pytest.mark.parametrize(
-  "run", [*ROUTED_RUNS, *UNROUTED_RUNS, "auto/replicated_batch_of_256", *KEPT_LAYOUTS]
-)
+@pytest.mark.parametrize("run", tiered(EVERY_RUN))
 def test_routed_training_matches_one_device(checks, run):
   result = checks["runs"][run]
   for name, (diff, relative) in result["max_abs_diff"].items():
@@ -164,7 +185,7 @@ def test_routing_stats_on_one_device_count_nothing():
   assert osa.routing_stats(reset=True) == osa.RoutingStats(0, 0, 0, 0)
 
 
-@pytest.mark.parametrize("run", STOCHASTIC_RUNS)
+@pytest.mark.parametrize("run", tiered(STOCHASTIC_RUNS))
 def test_stochastic_rounding_routed_draws_one_devices_bits(checks, run):
   """bf16 moments rounded stochastically: each shard keys its rows' bits on their global
   rows (`StepInputs.row_offset`), so the routed step stores one device's bits, on the
@@ -174,7 +195,7 @@ def test_stochastic_rounding_routed_draws_one_devices_bits(checks, run):
     assert diff == 0.0, name
 
 
-@pytest.mark.parametrize("run", ROUTED_RUNS)
+@pytest.mark.parametrize("run", tiered(ROUTED_RUNS))
 def test_state_keeps_the_tables_row_sharding(checks, run):
   specs = checks["runs"][run]["specs"]
   per_row = ("row_step", "row_last_step") + (("nu", "nu_max") if "/rowwise/" in run else ())
@@ -182,7 +203,7 @@ def test_state_keeps_the_tables_row_sharding(checks, run):
     assert spec == ("P('x',)" if name in per_row else "P('x', None)"), name
 
 
-@pytest.mark.parametrize("run", ROUTED_RUNS)
+@pytest.mark.parametrize("run", tiered(ROUTED_RUNS))
 def test_routed_path_sends_one_all_to_all_of_the_buckets(checks, run):
   """Outside the overflow path: one all-to-all of `capacity` slots per owner, each slot
   a row's id and values (ids apart for bfloat16), and scalar flags; nothing of the
@@ -203,7 +224,7 @@ def test_routed_path_sends_one_all_to_all_of_the_buckets(checks, run):
   assert all(size == 1 for op, size in routed_path if op != "all-to-all"), routed_path
 
 
-@pytest.mark.parametrize("run", ROUTED_RUNS)
+@pytest.mark.parametrize("run", tiered(ROUTED_RUNS))
 def test_the_donated_routed_step_updates_the_table_in_place(checks, run):
   """The compiled train step (`update` + `apply_updates`, donated) writes the table into
   its own buffer and copies no buffer of a table shard's size: a step's work follows
