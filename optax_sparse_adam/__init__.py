@@ -25,6 +25,9 @@ from optax_sparse_adam._core.row_rules.rowwise_adagrad import (
 )
 from optax_sparse_adam._core.row_rules.sgd import SGDHyperparams as SGDHyperparams
 from optax_sparse_adam._core.row_rules.sgd import SGDRule as SGDRule
+from optax_sparse_adam._core.rules import CatchUp as CatchUp
+from optax_sparse_adam._core.rules import CaughtUp as CaughtUp
+from optax_sparse_adam._core.rules import IdleBlock as IdleBlock
 from optax_sparse_adam._core.rules import RowBlock as RowBlock
 from optax_sparse_adam._core.rules import RowRule as RowRule
 from optax_sparse_adam._core.rules import Slot as Slot
@@ -61,7 +64,10 @@ __all__ = (
   "AdagradHyperparams",
   "AdagradRule",
   "AdamCoefficients",
+  "CatchUp",
+  "CaughtUp",
   "HugePageAdvice",
+  "IdleBlock",
   "LeafState",
   "RoutingStats",
   "RowBlock",

@@ -10,9 +10,17 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_sparse_adam._core import bcoo, catch_up, coalesce, rounding
+from optax_sparse_adam._core import bcoo, coalesce, rounding
 from optax_sparse_adam._core.row_rules.adam import rounded
-from optax_sparse_adam._core.rules import RowBlock, RowsStep, StepInputs, StepPlan, Tables
+from optax_sparse_adam._core.rules import (
+  IdleBlock,
+  RowBlock,
+  RowsStep,
+  StepInputs,
+  StepPlan,
+  Tables,
+  catch_up_of,
+)
 
 
 def masked_step(
@@ -85,19 +93,14 @@ def masked_step(
   last_step = tables.last_step
   shift = None
   if last_step is not None:
-    # Catch-up: the rows' idle steps first, as dense Adam would have taken them.
+    # Catch-up: the rows' idle steps first, as the rule's dense form would have taken them.
     assert inputs.step is not None  # the optax layer gives a step with catch-up
+    closed_form = catch_up_of(rule, config).rows
+    assert closed_form is not None  # the optax layer keeps no last steps otherwise
     last_rows = bcoo.gather_rows(last_step, rows)
     last = last_rows.reshape(last_rows.shape + (1,) * len(layout.dense_shape))
-    caught = catch_up.idle_rows(
-      rule,  # type: ignore[arg-type]  # the optax layer checks catch_up.supports(rule)
-      slot_rows,
-      jnp.maximum(inputs.step - 1 - last, 0),
-      last,
-      inputs.hyper,
-      decoupled=config.weight_decay == "decoupled",
-      compute_dtype=compute_dtype,
-    )
+    idle = jnp.maximum(inputs.step - 1 - last, 0)
+    caught = closed_form(IdleBlock(slot_rows, idle, last, compute_dtype), inputs.hyper)
     slot_rows, shift = caught.slot_rows, caught.shift
     if caught.decay_minus_one is not None:
       assert param_rows is not None

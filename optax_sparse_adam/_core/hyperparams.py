@@ -2,6 +2,7 @@
 
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 
 from optax_sparse_adam._core.errors import describe, is_python_number
@@ -44,6 +45,36 @@ def check_ranges(
       raise ValueError(f"Invalid beta parameter at index {index}: {beta}")
   if checked(weight_decay) and not 0.0 <= weight_decay:
     raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+
+
+def known_number(value: Any) -> float | None:
+  """A hyper-parameter's value where it is known now: a number or a concrete 0-d array.
+
+  None for a schedule, a traced array (`optax.inject_hyperparams` calls a factory
+  with concrete arrays in `init` and traced ones in a jitted `update`: the values
+  are checked at `init`) or anything else.
+  """
+  if is_python_number(value):
+    return value
+  if callable(value) or isinstance(value, jax.core.Tracer) or jnp.ndim(value) != 0:
+    return None
+  return float(value)
+
+
+def check_nonnegative(*named: tuple[str, Any], every_value: bool = False) -> None:
+  """torch's `Invalid {name} value: {value}` checks, in the order given, of values >= 0.
+
+  Args:
+    *named: `(torch's name, value)` pairs; "lr" reads "learning rate", as in torch.
+    every_value: compare every value as torch's constructors do (one that is no
+      number fails with Python's TypeError); else only the values known now
+      (`known_number`), as the optax factories do.
+  """
+  for name, value in named:
+    known = value if every_value else known_number(value)
+    if known is not None and not 0.0 <= known:
+      label = "learning rate" if name == "lr" else f"{name} value"
+      raise ValueError(f"Invalid {label}: {known}")
 
 
 def check_hyperparams(

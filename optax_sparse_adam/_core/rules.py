@@ -25,7 +25,7 @@ What is fixed when a step is traced travels apart from what is traced: a
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Literal, NamedTuple, Protocol
 
 import jax
@@ -63,6 +63,10 @@ class RowRule(Protocol):
   A rule's hyper-parameters are a NamedTuple of floats or 0-d arrays with at
   least the fields `learning_rate` and `weight_decay` (None where unused): the
   pipeline reads those two for weight decay and hands the whole to `update`.
+
+  A rule may also declare how its dense form moves the rows a step does not
+  touch: `catch_up(config: StepConfig) -> CatchUp` (`STILL`, a closed form of
+  the idle steps, or why there is none). Without it, catch-up is refused.
   """
 
   @property
@@ -84,6 +88,84 @@ class RowRule(Protocol):
       scratch in the touched rows (`coalesce.segments_by_marking`).
     """
     ...
+
+
+class IdleBlock(NamedTuple):
+  """A block of `n` rows to catch up over their idle steps, as a rule's closed form sees it.
+
+  Attributes:
+    slots: each slot's rows, in its storage dtype (as `RowBlock.slots`).
+    idle: int32 `(n, 1, ...)`: the number of idle (zero-gradient) steps `k` of each row.
+    last_step: int32 `(n, 1, ...)`: the step `t0` of each row's last update.
+    compute_dtype: the dtype of the arithmetic.
+  """
+
+  slots: Mapping[str, jax.Array]
+  idle: jax.Array
+  last_step: jax.Array
+  compute_dtype: Any
+
+
+class CaughtUp(NamedTuple):
+  """What catching a block of rows up over their idle steps gives the pipeline.
+
+  Attributes:
+    slot_rows: the rule's slots at the rows, after the idle steps (every slot).
+    shift: the parameter's move over the idle steps, besides decoupled weight
+      decay (`(n, *dense_shape)`, or a scalar 0).
+    decay_minus_one: `d^k - 1` per row (decoupled weight decay over the idle
+      steps, applied to the parameter by the pipeline), or None without it.
+  """
+
+  slot_rows: dict[str, jax.Array]
+  shift: jax.Array
+  decay_minus_one: jax.Array | None
+
+
+class CatchUp(NamedTuple):
+  """How a rule's dense form moves a row it does not touch (a rule's `catch_up` hook).
+
+  One of three, for a `StepConfig`:
+
+  - `STILL` (both None): under the dense optimizer an idle row's gradient is
+    zero and nothing moves (SGD, Adagrad): lazy is dense, catching up is the identity;
+  - `rows` given: the closed form of `k` idle steps of a block of rows,
+    `rows(IdleBlock, hyper) -> CaughtUp`;
+  - `refused` given: why the idle steps have no closed form (in a sentence that
+    follows "because").
+
+  Attributes:
+    rows: the closed form, or None.
+    refused: the reason there is none, or None.
+  """
+
+  rows: Callable[[IdleBlock, Any], CaughtUp] | None = None
+  refused: str | None = None
+
+
+STILL = CatchUp()
+
+
+def still_without_weight_decay(config: StepConfig) -> CatchUp:
+  """`STILL` for an accumulating rule (Adagrad's): a zero gradient adds nothing, so an
+  idle row does not move under the dense optimizer, unless weight decay moves it."""
+  if config.weight_decay == "none":
+    return STILL
+  return CatchUp(
+    refused="under weight decay the dense optimizer moves idle rows, and with L2 decay "
+    "their gradient weight_decay * p enters the accumulator: no closed form"
+  )
+
+
+def catch_up_of(rule: Any, config: StepConfig) -> CatchUp:
+  """The rule's `catch_up(config)` hook; refused for a rule that declares none."""
+  hook = getattr(rule, "catch_up", None)
+  if hook is None:
+    return CatchUp(
+      refused=f"the {rule.name!r} rule declares no closed form of its idle steps (no "
+      "catch_up method: see docs/architecture.md, Adding a rule)"
+    )
+  return hook(config)
 
 
 class RowBlock(NamedTuple):

@@ -10,11 +10,10 @@ from __future__ import annotations
 
 from typing import Any
 
-import jax
-import jax.numpy as jnp
 import optax
 
 from optax_sparse_adam._core.errors import is_python_number
+from optax_sparse_adam._core.hyperparams import check_nonnegative, known_number
 from optax_sparse_adam._core.row_rules.adagrad import AdagradHyperparams, AdagradRule
 from optax_sparse_adam._core.row_rules.rowwise_adagrad import (
   RowwiseAdagradHyperparams,
@@ -33,32 +32,17 @@ SGD_WEIGHT_DECAY = (
 )
 SGD_MOMENTUM = (
   "momentum={momentum!r}: torch.optim.SGD's momentum is not lazy on sparse gradients: its "
-  "buffer keeps every row it ever saw and moves all of them on every step, so the table "
-  "ends up updated densely. Pass lazy_momentum=True for the row-wise form (a row's buffer "
-  "decays and moves only when the row is touched; not torch's numbers), or use "
-  "sparse_adagrad / sparse_adam, whose state is lazy in torch too."
+  "buffer keeps every row it ever saw and moves all of them on every step. Pass "
+  "catch_up_idle_rows=True for torch's numbers at sparse cost (an idle row takes those "
+  "steps in closed form when it is next touched, or by catch_up_rows / catch_up_all_rows), "
+  "or lazy_momentum=True for the row-wise form (a row's buffer decays and moves only when "
+  "the row is touched; not torch's numbers)."
 )
 
 
-def _known(value: Any) -> float | None:
-  """A hyper-parameter's value where it is known now: a number or a concrete 0-d array.
-
-  `optax.inject_hyperparams` calls the factory with concrete arrays in `init` and
-  with traced ones in a jitted `update`: the values are checked at `init`.
-  """
-  if is_python_number(value):
-    return value
-  if callable(value) or isinstance(value, jax.core.Tracer) or jnp.ndim(value) != 0:
-    return None
-  return float(value)
-
-
-def _check_number(name: str, value: Any) -> None:
-  """torch's `Invalid {name} value: {value}` check, where the value is known."""
-  known = _known(value)
-  if known is not None and not known >= 0:
-    label = "learning rate" if name == "lr" else f"{name} value"
-    raise ValueError(f"Invalid {label}: {known}")
+def _is_zero(value: Any) -> bool:
+  """A Python zero (not an array: `optax.inject_hyperparams` gives arrays, concrete or not)."""
+  return is_python_number(value) and value == 0
 
 
 def sparse_sgd(
@@ -78,26 +62,36 @@ def sparse_sgd(
   rows, :math:`\theta_r \leftarrow \theta_r - \alpha g_r` (ascending with
   `maximize`): torch's SGD on a sparse gradient, with no state.
 
-  torch's momentum is dense on sparse gradients (its buffer moves every row it
-  ever saw, every step), and torch refuses weight decay with them: both are
-  refused here, with what to use instead. `lazy_momentum=True` keeps a
-  momentum buffer per row that decays and moves only when the row is touched:
+  torch refuses weight decay with sparse gradients: so does this. torch's
+  momentum keeps a buffer that moves every row it ever saw, every step; on the
+  touched rows
 
   .. math::
-    b_r \leftarrow \mu b_r + (1 - d) g_r, \quad
+    b_r \leftarrow \mu b_r + (1 - d) g_r \ (b_r = g_r \text{ at the first step}), \quad
     \theta_r \leftarrow \theta_r - \alpha (g_r + \mu b_r \text{ if nesterov else } b_r)
+
+  and an idle row moves by :math:`-\alpha b (\mu + \dots + \mu^k)` over
+  :math:`k` steps (times :math:`\mu` with nesterov) while its buffer decays to
+  :math:`\mu^k b`. Momentum needs one of two flags: `catch_up_idle_rows=True`
+  takes those idle steps in closed form when the row is next touched (or by
+  `catch_up_rows` / `catch_up_all_rows`): torch's numbers, to float32 rounding,
+  at sparse cost; `lazy_momentum=True` leaves idle rows and their buffers as
+  they are (a row-wise momentum, not torch's numbers).
 
   Args:
     learning_rate: a float, or an `optax.Schedule` of the number of updates.
-    momentum: the buffer's decay :math:`\mu` (needs `lazy_momentum=True`).
+    momentum: the buffer's decay :math:`\mu` (needs `catch_up_idle_rows=True` or
+      `lazy_momentum=True`).
     dampening: :math:`d`.
     weight_decay: must be 0 (as torch with sparse gradients).
     nesterov: Nesterov momentum (needs momentum and zero dampening, as in torch).
     maximize: ascend the objective instead of descending it.
     lazy_momentum: allow `momentum > 0` in the row-wise (lazy) form above.
-    catch_up_idle_rows: accepted without momentum, where there is nothing to catch
-      up (an idle row does not move under dense SGD either: lazy is dense); refused
-      with momentum, whose idle steps (a geometric sum) are not implemented.
+    catch_up_idle_rows: with momentum, torch's dense buffer at sparse cost (above;
+      one int32 of state per row; a schedule's rate at the last idle step is
+      charged to a row's idle steps, exact where the rate is constant over them).
+      Without momentum (a Python 0) it changes nothing: an idle row does not move
+      under dense SGD either (lazy is dense).
 
   Returns:
     An `optax.GradientTransformationExtraArgs` whose state is a `SparseRuleState`
@@ -117,28 +111,28 @@ def sparse_sgd(
   References:
     `torch.optim.SGD`, https://pytorch.org/docs/stable/generated/torch.optim.SGD.html
   """
-  _check_number("lr", learning_rate)
-  _check_number("momentum", momentum)
-  _check_number("weight_decay", weight_decay)
-  if nesterov and (_known(momentum) == 0 or _known(dampening) not in (0, None)):
+  check_nonnegative(("lr", learning_rate), ("momentum", momentum), ("weight_decay", weight_decay))
+  if nesterov and (known_number(momentum) == 0 or known_number(dampening) not in (0, None)):
     raise ValueError("Nesterov momentum requires a momentum and zero dampening")
-  if _known(weight_decay) not in (0, None):
+  if known_number(weight_decay) not in (0, None):
     raise ValueError(SGD_WEIGHT_DECAY.format(wd=weight_decay))
-  if _known(momentum) not in (0, None) and not lazy_momentum:
+  if known_number(momentum) not in (0, None) and not (lazy_momentum or catch_up_idle_rows):
     raise ValueError(SGD_MOMENTUM.format(momentum=momentum))
-  if catch_up_idle_rows and (lazy_momentum or _known(momentum) != 0):
+  if lazy_momentum and catch_up_idle_rows:
     raise ValueError(
-      "sparse_sgd: catch_up_idle_rows=True with momentum is not implemented: under dense "
-      "SGD an idle row keeps moving by its decaying momentum (a geometric sum, which has a "
-      "closed form this package does not take yet). Use lazy_momentum=True (idle rows "
-      "wait), or momentum=0, where lazy SGD is dense SGD."
+      "sparse_sgd: lazy_momentum=True and catch_up_idle_rows=True ask for two different "
+      "momenta: lazy_momentum leaves idle rows where they are, catch_up_idle_rows moves "
+      "them as torch.optim.SGD does. Pass one of them."
     )
+  # The buffer by the flags, not the value, but for a Python zero: the state's structure
+  # stays the same when optax.inject_hyperparams passes momentum as an array (with 0, the
+  # buffer is g and nothing idle moves).
+  buffered = lazy_momentum or (catch_up_idle_rows and not _is_zero(momentum))
   return sparse_rule_transformation(
-    # The buffer by the flag, not the value: the state's structure stays the same when
-    # optax.inject_hyperparams passes momentum as an array (with 0, the buffer is g).
-    SGDRule(momentum=lazy_momentum, nesterov=nesterov),
+    SGDRule(momentum=buffered, nesterov=nesterov),
     SGDHyperparams(learning_rate, momentum, dampening, None),
     maximize=maximize,
+    catch_up_idle_rows=catch_up_idle_rows,
     name="sparse_sgd",
   )
 
@@ -193,13 +187,14 @@ def sparse_adagrad(
     `torch.optim.Adagrad`,
     https://pytorch.org/docs/stable/generated/torch.optim.Adagrad.html
   """
-  _check_number("lr", learning_rate)
-  _check_number("lr_decay", lr_decay)
-  _check_number("weight_decay", weight_decay)
-  _check_number("initial_accumulator_value", initial_accumulator_value)
-  _check_number("epsilon", eps)
-  del catch_up_idle_rows  # lazy Adagrad is dense Adagrad on sparse gradients
-  if _known(weight_decay) not in (0, None):
+  check_nonnegative(
+    ("lr", learning_rate),
+    ("lr_decay", lr_decay),
+    ("weight_decay", weight_decay),
+    ("initial_accumulator_value", initial_accumulator_value),
+    ("epsilon", eps),
+  )
+  if known_number(weight_decay) not in (0, None):
     raise ValueError(
       f"weight_decay={weight_decay!r}: weight_decay option is not compatible with sparse "
       "gradients (torch.optim.Adagrad's words: its decay would move every row). For a decay "
@@ -207,11 +202,12 @@ def sparse_adagrad(
     )
   # It fills the state at init: static (0 where optax.inject_hyperparams traces it in a
   # jitted update, which never reads it).
-  initial = _known(initial_accumulator_value)
+  initial = known_number(initial_accumulator_value)
   return sparse_rule_transformation(
     AdagradRule(initial_accumulator_value=float(initial or 0.0)),
     AdagradHyperparams(learning_rate, lr_decay, eps, None),
     maximize=maximize,
+    catch_up_idle_rows=catch_up_idle_rows,  # lazy Adagrad is dense Adagrad: no state
     name="sparse_adagrad",
   )
 
@@ -249,7 +245,8 @@ def sparse_rowwise_adagrad(
     maximize: ascend the objective instead of descending it.
     catch_up_idle_rows: accepted without weight decay, and changes nothing (an idle
       row neither moves nor adds to its accumulator under the dense optimizer);
-      refused with weight decay, which moves idle rows (not implemented).
+      refused with weight decay, which moves idle rows (no closed form here). Not
+      with `max_norm`.
 
   Returns:
     An `optax.GradientTransformationExtraArgs` whose state is a `SparseRuleState`
@@ -270,21 +267,12 @@ def sparse_rowwise_adagrad(
     FBGEMM, `fbgemm_gpu/codegen/genscript/optimizers.py` (`rowwise_adagrad`);
     `EmbOptimType.EXACT_ROWWISE_ADAGRAD` in TorchRec.
   """
-  _check_number("lr", learning_rate)
-  _check_number("epsilon", eps)
-  _check_number("weight_decay", weight_decay)
+  check_nonnegative(("lr", learning_rate), ("epsilon", eps), ("weight_decay", weight_decay))
   modes = ("none", "l2", "decoupled")
   if weight_decay_mode not in modes:
     raise ValueError(
       f"sparse_rowwise_adagrad: unknown weight_decay_mode {weight_decay_mode!r}; expected "
       f"one of {list(modes)} (FBGEMM's NONE, L2, DECOUPLE)"
-    )
-  if catch_up_idle_rows and weight_decay_mode != "none" and _known(weight_decay) != 0:
-    raise ValueError(
-      f"sparse_rowwise_adagrad: catch_up_idle_rows=True with weight_decay_mode="
-      f"{weight_decay_mode!r} is not implemented: the dense optimizer's weight decay moves "
-      "idle rows too (with L2, through the accumulator: no closed form). Without weight "
-      "decay there is nothing to catch up: lazy is dense."
     )
   return sparse_rule_transformation(
     RowwiseAdagradRule(),
@@ -292,5 +280,6 @@ def sparse_rowwise_adagrad(
     maximize=maximize,
     weight_decay_mode=weight_decay_mode,
     max_norm=max_norm,
+    catch_up_idle_rows=catch_up_idle_rows,  # the rule refuses it under weight decay
     name="sparse_rowwise_adagrad",
   )

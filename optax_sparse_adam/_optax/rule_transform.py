@@ -26,7 +26,7 @@ from optax_sparse_adam._core import bcoo, rounding, rules
 from optax_sparse_adam._core.errors import describe, flatten_grads, leaves_up_to, path_str
 from optax_sparse_adam._core.hyperparams import moment_dtype
 from optax_sparse_adam._core.sharded import sharding
-from optax_sparse_adam._optax import leaf
+from optax_sparse_adam._optax import catch_up, leaf
 from optax_sparse_adam._optax.state import check_param_steps
 
 
@@ -42,12 +42,16 @@ class SparseRuleState(NamedTuple):
       (a per-row slot's leaves are `(num_rows,)`).
     row_step: per parameter, int32 steps of each row with `per_row_steps=True`,
       else None.
+    row_last_step: per parameter, int32 `(num_rows,)`, the step up to which each
+      row is caught up with `catch_up_idle_rows=True` (where the rule's idle
+      rows move), else None.
   """
 
   count: jax.Array  # type: ignore[assignment]
   param_steps: jax.Array
   slots: dict[str, optax.Updates]
   row_step: optax.Updates | None = None
+  row_last_step: optax.Updates | None = None
 
 
 _DENSE_TWIN = {"sparse_sgd": "optax.sgd", "sparse_adagrad": "optax.adagrad"}
@@ -177,6 +181,7 @@ def sparse_rule_transformation(
   per_row_steps: bool = False,
   moment_rounding: rounding.MomentRounding = "nearest",
   max_norm: float | None = None,
+  catch_up_idle_rows: bool = False,
   name: str = "sparse_rule_transformation",
 ) -> optax.GradientTransformationExtraArgs:
   r"""The optax transformation of a row rule, for BCOO gradients: masked, row by row.
@@ -210,6 +215,12 @@ def sparse_rule_transformation(
     moment_rounding: "nearest" or "stochastic", for bf16 slots.
     max_norm: renormalise each touched row to at most this L2 norm after the
       step (FBGEMM's `max_norm`); needs `params` in `update`.
+    catch_up_idle_rows: take the dense optimizer's steps for the rows the
+      gradients skip, in the rule's closed form (its `catch_up` hook): a row
+      touched after `k` idle steps is caught up first (`catch_up_rows`,
+      `catch_up_all_rows` do it on demand). Kept in one int32 per row where the
+      rule's idle rows move; nothing where they do not (lazy is dense); refused,
+      with the rule's reason, where it has no closed form.
     name: the factory's name in error messages.
 
   Returns:
@@ -233,7 +244,7 @@ def sparse_rule_transformation(
       f"{name}: unknown weight_decay_mode {weight_decay_mode!r}; expected one of "
       f"{list(get_args(rules.WeightDecay))}"
     )
-  max_norm = check_max_norm(max_norm, name=name)
+  max_norm = check_max_norm(max_norm, catch_up_idle_rows, name=name)
   for field in ("learning_rate", "weight_decay"):
     if field not in getattr(hyperparams, "_fields", ()):
       raise TypeError(
@@ -262,6 +273,19 @@ def sparse_rule_transformation(
     moment_rounding=moment_rounding,
     max_norm=max_norm,
   )
+  closed_form = rules.catch_up_of(rule, config)
+  if catch_up_idle_rows:
+    catch_up.refuse_unless_closed_form(name, rule, closed_form)
+  keeps_last_steps = catch_up_idle_rows and closed_form.rows is not None
+
+  def hyper_at(count: jax.Array) -> Any:
+    # Schedules are functions of the update count, as in optax; with catch-up, a rule
+    # that takes one charges its idle steps the rate of the step before (as Adam does).
+    hyper = type(hyperparams)(*(v(count) if callable(v) else v for v in hyperparams))
+    learning_rate = hyperparams.learning_rate  # type: ignore[attr-defined]
+    if keeps_last_steps and callable(learning_rate) and "window_learning_rate" in hyper._fields:
+      hyper = hyper._replace(window_learning_rate=learning_rate(jnp.maximum(count - 1, 0)))
+    return hyper
 
   def init_fn(params: optax.Params) -> SparseRuleState:
     leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path(params)
@@ -269,7 +293,11 @@ def sparse_rule_transformation(
     for path, param in leaves_with_path:
       bcoo.check_param_dtype(param, path)
       rounding.check_slot_dtypes(moment_rounding, dtypes, param.dtype, path)
-      tables.append(rules.init_tables(rule, param, dtypes=dtypes, per_row_steps=per_row_steps))
+      tables.append(
+        rules.init_tables(
+          rule, param, dtypes=dtypes, per_row_steps=per_row_steps, last_steps=keeps_last_steps
+        )
+      )
     replicated = sharding.replicated_like(*(leaf for _, leaf in leaves_with_path))
     return SparseRuleState(
       count=jnp.zeros([], jnp.int32, device=replicated),
@@ -283,6 +311,9 @@ def sparse_rule_transformation(
       },
       row_step=jax.tree_util.tree_unflatten(treedef, [t.row_step for t in tables])
       if per_row_steps
+      else None,
+      row_last_step=jax.tree_util.tree_unflatten(treedef, [t.last_step for t in tables])
+      if keeps_last_steps
       else None,
     )
 
@@ -313,6 +344,7 @@ def sparse_rule_transformation(
       for slot_name, tree in state.slots.items()
     }
     row_steps = leaves_up_to(treedef, state.row_step, "optimizer state", paths)
+    last_steps = catch_up.last_step_leaves(treedef, paths, state, keeps_last_steps)
     param_leaves = leaves_up_to(treedef, params, "params", paths)
     full_width = [slot.name for slot in rule.slots() if not slot.per_row]
     shapes = [
@@ -320,13 +352,10 @@ def sparse_rule_transformation(
     ]
     check_grad_leaves(grads_with_path, shapes, param_leaves, name)
 
-    # Schedules are functions of the update count, as in optax.
-    hyper = type(hyperparams)(
-      *(value(state.count) if callable(value) else value for value in hyperparams)
-    )
+    hyper = hyper_at(state.count)
     opaque_zero = jnp.minimum(state.count, 0)  # products rounded before adds (adam.rounded)
     tables = [
-      rules.Tables({n: slot_leaves[n][i] for n in slot_names}, row_steps[i], param)
+      rules.Tables({n: slot_leaves[n][i] for n in slot_names}, row_steps[i], param, last_steps[i])
       for i, param in enumerate(param_leaves)
     ]
     new_updates, new_tables, _ = step_leaves(
@@ -347,7 +376,23 @@ def sparse_rule_transformation(
       row_step=(
         None if state.row_step is None else treedef.unflatten([t.row_step for t in new_tables])
       ),
+      row_last_step=(
+        None if not keeps_last_steps else treedef.unflatten([t.last_step for t in new_tables])
+      ),
     )
     return treedef.unflatten(new_updates), new_state
 
+  catch_up.register(
+    update_fn,
+    catch_up.Registered(
+      name,
+      rule,
+      closed_form,
+      keeps_last_steps,
+      SparseRuleState,
+      hyper_at,
+      lambda state: dict(state.slots),
+      lambda state, slots, last: state._replace(slots=slots, row_last_step=last),
+    ),
+  )
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -120,13 +120,13 @@ def _scale_by_sparse_adam(options: SparseAdamOptions) -> optax.GradientTransform
   )
   rounding.check_rounding(options.moment_rounding)
   rule = options.rule
-  catch_up.check_options(options)
   config = rules.StepConfig(
     maximize=options.maximize,
     weight_decay=leaf.weight_decay_mode(weight_decay, decoupled=options.decoupled_weight_decay),
     moment_rounding=options.moment_rounding,
     max_norm=check_max_norm(options.max_norm, options.catch_up_idle_rows),
   )
+  catch_up.check_options(options, config)
 
   def init_fn(params: optax.Params) -> SparseAdamState:
     return _init_state(params, options)
@@ -200,7 +200,7 @@ def _scale_by_sparse_adam(options: SparseAdamOptions) -> optax.GradientTransform
     )
     return treedef.unflatten(new_updates), new_state
 
-  catch_up.register(update_fn, options)
+  catch_up.register(update_fn, catch_up.adam_entry(options, config))
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 

@@ -245,18 +245,7 @@ class SparseEmbedBag(TableModule):
     rngs: nnx.Rngs,
   ):
     _check_mode(mode, "SparseEmbedBag")
-    options = _options.TableOptions.checked(
-      "SparseEmbedBag",
-      num_embeddings,
-      features,
-      padding_idx=padding_idx,
-      max_norm=max_norm,
-      norm_type=norm_type,
-      dtype=dtype,
-      param_dtype=param_dtype,
-      embedding_init=embedding_init,
-    )
-    super().__init__(options, rngs)
+    super().__init__(_options.TableOptions.checked("SparseEmbedBag", locals()), rngs)
     self.mode = mode
     self.include_last_offset = include_last_offset
 

@@ -70,17 +70,7 @@ def linen_table(module: nn.Module, ids: jax.Array) -> tuple[jax.Array, int | Non
   param is `embedding`, boxed.
   """
   owner = type(module).__name__
-  options = _options.TableOptions.checked(
-    owner,
-    module.num_embeddings,
-    module.features,
-    padding_idx=module.padding_idx,
-    max_norm=module.max_norm,
-    norm_type=module.norm_type,
-    dtype=module.dtype,
-    param_dtype=module.param_dtype,
-    embedding_init=module.embedding_init,
-  )
+  options = _options.TableOptions.checked(owner, module)
   # `param` returns the value unboxed; flax types it as what the initializer returns (the box).
   table = cast(
     jax.Array, module.param("embedding", lambda key: SparseTableBox(options.initial_table(key)))

@@ -88,18 +88,7 @@ class SparseEmbed(TableModule):
     embedding_init: Callable[..., jax.Array] = default_embed_init,
     rngs: nnx.Rngs,
   ):
-    options = _options.TableOptions.checked(
-      "SparseEmbed",
-      num_embeddings,
-      features,
-      padding_idx=padding_idx,
-      max_norm=max_norm,
-      norm_type=norm_type,
-      dtype=dtype,
-      param_dtype=param_dtype,
-      embedding_init=embedding_init,
-    )
-    super().__init__(options, rngs)
+    super().__init__(_options.TableOptions.checked("SparseEmbed", locals()), rngs)
     self.scale_grad_by_freq = scale_grad_by_freq
 
   def __call__(self, inputs: jax.Array) -> jax.Array:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -75,32 +75,25 @@ class TableOptions:
   embedding_init: Callable[..., jax.Array]
 
   @classmethod
-  def checked(
-    cls,
-    owner: str,
-    num_embeddings: int,
-    features: int,
-    *,
-    padding_idx: int | None,
-    max_norm: float | None,
-    norm_type: float,
-    dtype: Any,
-    param_dtype: Any,
-    embedding_init: Callable[..., jax.Array],
-  ) -> TableOptions:
-    """The options, `padding_idx` normalised (negative counts from the end); errors name `owner`."""
-    padding_idx = check_padding_idx(padding_idx, num_embeddings, owner)
-    check_max_norm(max_norm, norm_type, owner)
-    return cls(
-      num_embeddings,
-      features,
-      padding_idx,
-      max_norm,
-      norm_type,
-      dtype,
-      param_dtype,
-      embedding_init,
+  def checked(cls, owner: str, arguments: Any) -> TableOptions:
+    """The options of a module, `padding_idx` normalised (negative counts from the end).
+
+    Args:
+      owner: the module's class name, in errors.
+      arguments: where each option is found by its name: a mapping (the `locals()`
+        of an NNX module's constructor, which takes them as keywords) or an
+        object with them as attributes (a Linen module's fields).
+
+    Returns:
+      The checked options; errors name `owner`.
+    """
+    get = arguments.__getitem__ if isinstance(arguments, Mapping) else arguments.__getattribute__
+    fields = {field.name: get(field.name) for field in dataclasses.fields(cls)}
+    fields["padding_idx"] = check_padding_idx(
+      fields["padding_idx"], fields["num_embeddings"], owner
     )
+    check_max_norm(fields["max_norm"], fields["norm_type"], owner)
+    return cls(**fields)
 
   def initial_table(self, key: jax.Array) -> jax.Array:
     """A new table from `embedding_init`, its padding row zeroed (torch's `reset_parameters`)."""

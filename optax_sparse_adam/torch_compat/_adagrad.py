@@ -5,25 +5,10 @@ from typing import Any
 import numpy as np
 
 from optax_sparse_adam._core import rules
+from optax_sparse_adam._core.hyperparams import check_nonnegative
 from optax_sparse_adam._core.row_rules.adagrad import AdagradHyperparams, AdagradRule
 from optax_sparse_adam.torch_compat import _step
 from optax_sparse_adam.torch_compat._rule_optimizer import RuleOptimizer, TorchRule
-
-
-def _check_group(group: dict[str, Any], where: str) -> None:
-  """What torch refuses with sparse gradients, refused before any change (torch: after the
-  step count advanced)."""
-  if group.get("fused"):
-    raise RuntimeError(
-      f"`fused` does not support sparse grad or complex param ({where} has fused=True)"
-    )
-  if _step.lr_value(group["weight_decay"], f"{where}['weight_decay']") != 0:
-    raise RuntimeError(
-      "weight_decay option is not compatible with sparse gradients "
-      f"({where} has weight_decay={group['weight_decay']!r}; torch's decay would move every "
-      "row. For a decay of the touched rows only, use "
-      "optax_sparse_adam.sparse_rowwise_adagrad(weight_decay_mode=...).)"
-    )
 
 
 def _hyper(group: dict[str, Any], step: int, dtype: Any) -> AdagradHyperparams:
@@ -44,7 +29,13 @@ _TABLE = TorchRule(
   step_key="step",
   step_type=float,
   eager_state=True,
-  check_group=_check_group,
+  # torch refuses these after counting the step; here before any change.
+  refusals={
+    "fused": "`fused` does not support sparse grad or complex param ({where} has fused=True)",
+    "weight_decay": "weight_decay option is not compatible with sparse gradients ({where} "
+    "has weight_decay={value!r}; torch's decay would move every row. For a decay of the "
+    "touched rows only, use optax_sparse_adam.sparse_rowwise_adagrad(weight_decay_mode=...).)",
+  },
   plan=lambda group: (AdagradRule(), rules.StepConfig(maximize=bool(group["maximize"]))),
   hyper=_hyper,
   slot_init=lambda group, slot: float(group["initial_accumulator_value"]),
@@ -115,16 +106,12 @@ class Adagrad(RuleOptimizer):
     fused: bool | None = None,
   ) -> None:
     # torch's constructor checks, in its order and wording.
-    if not 0.0 <= lr:
-      raise ValueError(f"Invalid learning rate: {lr}")
-    if not 0.0 <= lr_decay:
-      raise ValueError(f"Invalid lr_decay value: {lr_decay}")
-    if not 0.0 <= weight_decay:
-      raise ValueError(f"Invalid weight_decay value: {weight_decay}")
-    if not 0.0 <= initial_accumulator_value:
-      raise ValueError(f"Invalid initial_accumulator_value value: {initial_accumulator_value}")
-    if not 0.0 <= eps:
-      raise ValueError(f"Invalid epsilon value: {eps}")
-    # torch's param-group defaults: every argument but the params, by its name.
-    defaults = {k: v for k, v in locals().items() if k not in ("self", "params", "__class__")}
-    super().__init__(params, defaults)
+    check_nonnegative(
+      ("lr", lr),
+      ("lr_decay", lr_decay),
+      ("weight_decay", weight_decay),
+      ("initial_accumulator_value", initial_accumulator_value),
+      ("epsilon", eps),
+      every_value=True,
+    )
+    super().__init__(params, locals())

@@ -43,10 +43,14 @@ class TorchRule(NamedTuple):
     step_key: torch's state_dict key of the step count, or None (no count kept).
     step_type: how the count is stored (`int`, or `float` as Adagrad's tensor).
     eager_state: make every parameter's state in the constructor, as torch does.
-    check_group: `(group, where)`: torch's refusals at step time (before any change).
+    refusals: `{option: message}`, the options torch refuses with sparse gradients
+      (refused where a flag is true or a number is not 0), with torch's words
+      (formatted with `where`, the group, and `value`); checked at step time,
+      before any change.
     plan: `(group) -> (rule, StepConfig)`, static per group.
     hyper: `(group, step, compute dtype) -> hyper-parameters` on the host.
     slot_init: `(group, slot name) -> fill value` of a fresh slot.
+    check_group: `(group, where)`: any other refusal at step time, or None.
   """
 
   torch_name: str
@@ -54,10 +58,24 @@ class TorchRule(NamedTuple):
   step_key: str | None
   step_type: type
   eager_state: bool
-  check_group: Callable[[dict[str, Any], str], None]
+  refusals: dict[str, str]
   plan: Callable[[dict[str, Any]], tuple[Any, rules.StepConfig]]
   hyper: Callable[[dict[str, Any], int, Any], Any]
   slot_init: Callable[[dict[str, Any], str], float]
+  check_group: Callable[[dict[str, Any], str], None] | None = None
+
+  def refuse(self, group: dict[str, Any], where: str) -> None:
+    """Raises torch's error for the first option of `group` that torch refuses."""
+    for option, message in self.refusals.items():
+      value = group.get(option)
+      if value is None or isinstance(value, bool):
+        refused = bool(value)
+      else:
+        refused = _step.lr_value(value, f"{where}[{option!r}]") != 0
+      if refused:
+        raise RuntimeError(message.format(where=where, value=value))
+    if self.check_group is not None:
+      self.check_group(group, where)
 
 
 class RuleOptimizer(Optimizer):
@@ -65,7 +83,12 @@ class RuleOptimizer(Optimizer):
 
   TABLE: TorchRule
 
-  def __init__(self, params: Any, defaults: dict[str, Any]) -> None:
+  def __init__(self, params: Any, arguments: dict[str, Any]) -> None:
+    """`arguments`: the subclass constructor's `locals()`, after torch's checks.
+
+    torch's param-group defaults are every argument but the params, by its name.
+    """
+    defaults = {k: v for k, v in arguments.items() if k not in ("self", "params", "__class__")}
     super().__init__(params, defaults)
     if self.TABLE.eager_state:
       for _, _, p in iter_params(self.param_groups):
@@ -126,7 +149,7 @@ class RuleOptimizer(Optimizer):
     )
 
     def checked_group(group: dict[str, Any], where: str) -> dict[str, Any]:
-      table.check_group(group, where)
+      table.refuse(group, where)
       return group
 
     todo = grads_to_step(self.param_groups, dense.format, checked_group)

@@ -5,30 +5,21 @@ from typing import Any
 import numpy as np
 
 from optax_sparse_adam._core import rules
+from optax_sparse_adam._core.hyperparams import check_nonnegative
 from optax_sparse_adam._core.row_rules.sgd import SGDHyperparams, SGDRule
 from optax_sparse_adam.torch_compat import _step
 from optax_sparse_adam.torch_compat._rule_optimizer import RuleOptimizer, TorchRule
 
 
-def _check_group(group: dict[str, Any], where: str) -> None:
-  """What torch refuses (or does densely) with sparse gradients, refused before any change."""
-  if group.get("fused"):
-    raise RuntimeError(f"`_fused_sgd` does not support sparse gradients ({where} has fused=True)")
-  if _step.lr_value(group["weight_decay"], f"{where}['weight_decay']") != 0:
-    raise RuntimeError(
-      "add(sparse, dense) is not supported. Use add(dense, sparse) instead. "
-      f"({where} has weight_decay={group['weight_decay']!r}: torch.optim.SGD refuses weight "
-      "decay with sparse gradients, as it would move every row. For a decay of the touched "
-      "rows only, use optax_sparse_adam.sparse_rowwise_adagrad(weight_decay_mode=...) or "
-      "sparse_adamw.)"
-    )
+def _check_momentum(group: dict[str, Any], where: str) -> None:
+  """torch runs momentum densely on sparse gradients: refused before any change."""
   if _step.lr_value(group["momentum"], f"{where}['momentum']") != 0:
     raise RuntimeError(
       f"{where} has momentum={group['momentum']!r}: torch.optim.SGD's momentum is not lazy on "
-      "sparse gradients (its buffer moves every row it ever saw on every step, so the table "
-      "is updated densely), which this adapter does not do. Use momentum=0, "
-      "optax_sparse_adam.sparse_sgd(momentum=..., lazy_momentum=True) for a row-wise "
-      "momentum, or Adagrad/SparseAdam, whose state is lazy in torch too."
+      "sparse gradients (its buffer moves every row it ever saw on every step), which this "
+      "adapter does not do. Use optax_sparse_adam.sparse_sgd(momentum=..., "
+      "catch_up_idle_rows=True) for torch's numbers at sparse cost, sparse_sgd(momentum=..., "
+      "lazy_momentum=True) for a row-wise momentum, or momentum=0."
     )
 
 
@@ -44,7 +35,14 @@ _TABLE = TorchRule(
   step_key=None,
   step_type=int,
   eager_state=False,
-  check_group=_check_group,
+  refusals={
+    "fused": "`_fused_sgd` does not support sparse gradients ({where} has fused=True)",
+    "weight_decay": "add(sparse, dense) is not supported. Use add(dense, sparse) instead. "
+    "({where} has weight_decay={value!r}: torch.optim.SGD refuses weight decay with sparse "
+    "gradients, as it would move every row. For a decay of the touched rows only, use "
+    "optax_sparse_adam.sparse_rowwise_adagrad(weight_decay_mode=...) or sparse_adamw.)",
+  },
+  check_group=_check_momentum,
   plan=lambda group: (SGDRule(), rules.StepConfig(maximize=bool(group["maximize"]))),
   hyper=_hyper,
   slot_init=lambda group, slot: 0.0,
@@ -64,7 +62,8 @@ class SGD(RuleOptimizer):
   Options torch refuses with sparse gradients (`weight_decay`, `fused=True`)
   are refused with torch's words at `step()`, before anything changes, and so is
   `momentum`, which torch runs densely on sparse gradients (see
-  `optax_sparse_adam.sparse_sgd(lazy_momentum=True)` for a row-wise one).
+  `optax_sparse_adam.sparse_sgd(momentum=..., catch_up_idle_rows=True)`, which
+  is torch's momentum at sparse cost).
 
   Args:
     params: an iterable of `Parameter`s, of `(name, Parameter)` pairs, or of
@@ -110,14 +109,9 @@ class SGD(RuleOptimizer):
     fused: bool | None = None,
   ) -> None:
     # torch's constructor checks, in its order and wording.
-    if lr < 0.0:
-      raise ValueError(f"Invalid learning rate: {lr}")
-    if momentum < 0.0:
-      raise ValueError(f"Invalid momentum value: {momentum}")
-    if weight_decay < 0.0:
-      raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+    check_nonnegative(
+      ("lr", lr), ("momentum", momentum), ("weight_decay", weight_decay), every_value=True
+    )
     if nesterov and (momentum <= 0 or dampening != 0):
       raise ValueError("Nesterov momentum requires a momentum and zero dampening")
-    # torch's param-group defaults: every argument but the params, by its name.
-    defaults = {k: v for k, v in locals().items() if k not in ("self", "params", "__class__")}
-    super().__init__(params, defaults)
+    super().__init__(params, locals())

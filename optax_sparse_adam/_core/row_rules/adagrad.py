@@ -21,7 +21,13 @@ import jax
 import jax.numpy as jnp
 
 from optax_sparse_adam._core.row_rules.adam import block_arithmetic
-from optax_sparse_adam._core.rules import RowBlock, Slot
+from optax_sparse_adam._core.rules import (
+  CatchUp,
+  RowBlock,
+  Slot,
+  StepConfig,
+  still_without_weight_decay,
+)
 
 
 class AdagradHyperparams(NamedTuple):
@@ -72,3 +78,7 @@ class AdagradRule:
       t = jnp.asarray(block.step).astype(block.compute_dtype)
       clr = c(hyper.learning_rate) / (1 + (t - 1) * c(hyper.lr_decay))
     return r(-c(clr) * (g / std)), {"sum": total}
+
+  def catch_up(self, config: StepConfig) -> CatchUp:
+    """Idle rows stay under dense Adagrad without weight decay (`rules.CatchUp`)."""
+    return still_without_weight_decay(config)

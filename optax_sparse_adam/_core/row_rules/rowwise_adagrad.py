@@ -26,7 +26,13 @@ import jax.numpy as jnp
 
 from optax_sparse_adam._core.row_rules.adam import block_arithmetic
 from optax_sparse_adam._core.row_rules.rowwise_adam import inverse_row_size, pairwise_row_sum
-from optax_sparse_adam._core.rules import RowBlock, Slot
+from optax_sparse_adam._core.rules import (
+  CatchUp,
+  RowBlock,
+  Slot,
+  StepConfig,
+  still_without_weight_decay,
+)
 
 
 class RowwiseAdagradHyperparams(NamedTuple):
@@ -61,3 +67,7 @@ class RowwiseAdagradRule:
     rate = c(hyper.learning_rate) / (jnp.sqrt(total.astype(block.compute_dtype)) + c(hyper.eps))
     rate = rate.reshape((n,) + (1,) * (g.ndim - 1))
     return r(-rate * g), {"sum": total}
+
+  def catch_up(self, config: StepConfig) -> CatchUp:
+    """Idle rows stay under dense row-wise Adagrad without weight decay (`rules.CatchUp`)."""
+    return still_without_weight_decay(config)

@@ -51,7 +51,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from optax_sparse_adam._core.row_rules.adam import AdamHyperparams, block_arithmetic
-from optax_sparse_adam._core.rules import RowBlock, Slot
+from optax_sparse_adam._core.rules import CatchUp, RowBlock, Slot, StepConfig
 
 
 def pairwise_row_sum(x: jax.Array) -> jax.Array:
@@ -119,6 +119,14 @@ class RowwiseAdamRule:
   def slots(self) -> tuple[Slot, ...]:
     amsgrad = (Slot("nu_max", per_row=True, dtype_of="nu"),) if self.amsgrad else ()
     return (Slot("mu"), Slot("nu", per_row=True), *amsgrad)
+
+  def catch_up(self, config: StepConfig) -> CatchUp:
+    """None implemented (`rules.CatchUp`): dense row-wise Adam moves idle rows."""
+    del config
+    return CatchUp(
+      refused="dense row-wise Adam moves idle rows (its first moment discharges), and "
+      "that closed form is implemented for the full Adam only"
+    )
 
   def update(
     self, block: RowBlock, hyper: AdamHyperparams
