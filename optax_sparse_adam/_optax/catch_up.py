@@ -10,6 +10,7 @@ closed form. Adam's options are checked here when `sparse_adam` is made.
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -21,7 +22,7 @@ import optax
 from optax_sparse_adam._core import rules
 from optax_sparse_adam._core.errors import flatten_up_to, is_python_number, leaves_up_to
 from optax_sparse_adam._core.row_rules import adam
-from optax_sparse_adam._core.sharded import routed
+from optax_sparse_adam._core.sharded import routed, sharding
 from optax_sparse_adam._optax import leaf
 from optax_sparse_adam._optax.state import SparseAdamState
 
@@ -360,20 +361,31 @@ def _catch_up(
       rows = jnp.asarray(rows).reshape(-1)
       rows = jnp.where(rows < 0, num_rows, rows)  # negative ids are padding, not wrapped
       rows = routed.physical_ids(rows, param, name)  # a cyclic table's rows (sharded_routing)
-      got = {key: table.at[rows].get(mode="fill", fill_value=0) for key, table in tables.items()}
+      # Under Explicit mesh axes a gather from a row-split table has no one output
+      # sharding: XLA partitions it, and every table keeps its own sharding.
+      caught = sharding.call_with_auto_axes(
+        functools.partial(_caught_up_rows, entry, hyper=hyper),
+        (tables, rows, state.param_steps[i]),
+        {key: sharding.spec_of(table) for key, table in tables.items()},
+      )
     else:
-      got = tables
-    caught = _caught_up(entry, got, state.param_steps[i], hyper)
-    if rows is not _ALL:
-      caught = {
-        key: tables[key].at[rows].set(value.astype(tables[key].dtype), mode="drop")
-        for key, value in caught.items()
-      }
+      caught = _caught_up(entry, tables, state.param_steps[i], hyper)
     for key in new:
       new[key].append(caught[key])
   new_slots = {key: treedef.unflatten(new[key]) for key in slot_trees}
   new_state = entry.replace(state, new_slots, treedef.unflatten(new["last"]))
   return treedef.unflatten(new["param"]), new_state
+
+
+def _caught_up_rows(
+  entry: Registered, tables: dict[str, jax.Array], rows: jax.Array, step: jax.Array, hyper: Any
+) -> dict[str, jax.Array]:
+  """`tables` with `rows` (out of range: dropped) caught up to `step`."""
+  got = {key: table.at[rows].get(mode="fill", fill_value=0) for key, table in tables.items()}
+  return {
+    key: tables[key].at[rows].set(value.astype(tables[key].dtype), mode="drop")
+    for key, value in _caught_up(entry, got, step, hyper).items()
+  }
 
 
 def _caught_up(

@@ -357,9 +357,9 @@ def cyclic_runs(references):
   return results
 
 
-def caught_up_table(mesh=None):
+def caught_up_table(mesh=None, cyclic=True):
   """Two catch-up steps on disjoint rows, then `catch_up_rows` of rows idle since: the
-  table in logical order (cyclic on `mesh`)."""
+  table in logical order (on `mesh`: stored cyclically, or in blocks)."""
   rng = np.random.default_rng(5)
   table0 = rng.normal(size=(NUM_ROWS, DIM)).astype(np.float32)
   opt = OPTIMIZERS["catch_up"]()
@@ -368,7 +368,7 @@ def caught_up_table(mesh=None):
     table = put(table0)
   else:
     put = lambda x: jax.device_put(x, NamedSharding(mesh, P("x", *[None] * (x.ndim - 1))))  # noqa: E731
-    table = put(cyclic_order(table0))
+    table = put(cyclic_order(table0) if cyclic else table0)
   state = opt.init({"table": table})
 
   @jax.jit
@@ -383,7 +383,9 @@ def caught_up_table(mesh=None):
   ids = np.arange(0, NUM_ROWS, 3, dtype=np.int32)[:BATCH]
   ids = jnp.asarray(ids) if mesh is None else jax.device_put(ids, NamedSharding(mesh, P()))
   params, _ = osa.catch_up_rows(opt, {"table": table}, state, {"table": ids})
-  return logical_order(params["table"]) if mesh is not None else np.asarray(params["table"])
+  if mesh is not None and cyclic:
+    return logical_order(params["table"])
+  return np.asarray(params["table"])
 
 
 def flax_nnx(auto_axis="x", placement="block"):
@@ -747,6 +749,9 @@ def main():
   results["flax_nnx_auto_default"] = flax_nnx(auto_axis=None)
   results["front_ends"] = front_ends()
   results["apply_foreign"] = apply_foreign_update(explicit)
+  with jax.set_mesh(explicit), osa.sharded_routing(row_placement="block"):
+    caught_up = caught_up_table(explicit, cyclic=False)  # catch_up_rows eagerly, Explicit axes
+  results["catch_up_rows_explicit_diff"] = float(np.max(np.abs(caught_up - caught_up_table())))
   # Cyclic placement last: once a process has placed tables cyclically, a row-split
   # table traced where no placement is said is refused (checked at the end).
   started = time.perf_counter()

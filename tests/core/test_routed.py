@@ -559,6 +559,12 @@ def test_catch_up_rows_of_a_cyclic_table_catches_up_the_logical_rows(checks):
   assert checks["cyclic"]["catch_up_rows_diff"] <= F32_ATOL
 
 
+def test_catch_up_rows_of_a_table_split_over_explicit_axes_matches_one_device(checks):
+  """Eagerly under `jax.set_mesh` with `Explicit` axes, where a gather from a row-split
+  table has no one output sharding: partitioned by XLA, as on one device."""
+  assert checks["catch_up_rows_explicit_diff"] <= F32_ATOL
+
+
 def test_a_cyclic_table_saved_in_logical_order_reshards_from_8_to_4_devices(checks):
   """`from_cyclic_rows` on 8 devices, `to_cyclic_rows(x, 4)` on 4: the routed lookup of
   every row reads the table exactly."""
