@@ -4,6 +4,8 @@ import os
 import sys
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Two test workers (addopts: -n 2) share one GPU where JAX_PLATFORMS selects it.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
