@@ -92,7 +92,7 @@ def _decay_coefficient(inputs: StepInputs, plan: StepPlan) -> jax.Array:
 
 
 class _OptionArrays(NamedTuple):
-  """The option buffers of a fused step (`OptionBuffers` in kernels.cc): empty where unused."""
+  """The option buffers of a fused step (`OptionInputs` in kernels.cc): empty where unused."""
 
   param: jax.Array
   nu_max: jax.Array
