@@ -55,13 +55,14 @@ namespace {
 constexpr int64_t kPrefetchRows = 16;
 constexpr int64_t kBytesPerLine = 64;
 
-// Prefetches the cache line holding `p` (on x86-64 into L2, as `prefetcht1`: the
+// Prefetches the cache line holding `p` (on x86-64 into L2, `prefetcht1`: the
 // random rows of a step are bound by the core's outstanding misses, and a
-// prefetch into L1 holds a fill buffer until its line arrives; into L2 measured
-// 20-25% faster a row here, with 2 to 4 tables of 1M rows). An asm statement, not the builtin: GCC
-// counts the builtin as free of side effects, so a function (a lambda) that only
-// prefetches is found pure and its calls are deleted as dead before it is
-// inlined; the Adam step had lost its prefetches so.
+// prefetch into L1 holds a fill buffer until its line arrives; into L2, the row
+// loops over 2 to 4 tables of 1M rows measured 20-25% faster on the 2-core VM of
+// docs/performance). An asm statement, not the builtin: GCC counts the builtin
+// as free of side effects, so a function (a lambda) that only prefetches is
+// found pure and its calls are deleted as dead before it is inlined; the Adam
+// step had lost its prefetches so.
 inline void PrefetchLine(const void* p) {
 #if defined(__GNUC__) && defined(__x86_64__)
   asm volatile("prefetcht1 %0" : : "m"(*static_cast<const char*>(p)));
@@ -821,7 +822,8 @@ ffi::Error FusedAdamOptionsImpl(
         x.decay = c[4];
         x.guard_eps = guard_eps;
         x.p = options.p;
-        const float row_neg_step_size = options.scales == nullptr ? neg_step_size : -*options.scales;
+        const float row_neg_step_size =
+            options.scales == nullptr ? neg_step_size : -*options.scales;
         if (catch_up) {
           const CatchUpRow& scalars = CachedCatchUpRow(constants, last[r.row], call);
           x.pow_b1 = scalars.pow_b1;
