@@ -986,6 +986,39 @@ ffi::Error ScatterAddRowsImpl(ffi::Buffer<ffi::F32> param, ffi::Buffer<ffi::S32>
   return ffi::Error::Success();
 }
 
+// Each gradient entry's row's step count after this step, as `moment_steps`
+// gathers it for per-row bias correction: `row_step[rows[i]]` (0 for a row out
+// of range; a negative row counts from the end, as in a jnp gather), plus one
+// unless it is INT32_MAX (`optax.safe_increment`); and that count, at least 1,
+// as a float32 (for the step sizes XLA computes from it). One thread: XLA would
+// split the gather and the ops around it over its threads and wait for them.
+ffi::Error EntryStepsImpl(ffi::Buffer<ffi::S32> rows, ffi::Buffer<ffi::S32> row_step,
+                          ffi::ResultBuffer<ffi::S32> entry_steps,
+                          ffi::ResultBuffer<ffi::F32> counts) {
+  const int64_t nse = static_cast<int64_t>(rows.element_count());
+  const int64_t num_rows = static_cast<int64_t>(row_step.element_count());
+  const int32_t* r = rows.typed_data();
+  const int32_t* steps = row_step.typed_data();
+  int32_t* out = entry_steps->typed_data();
+  float* t = counts->typed_data();
+  const auto in_range = [&](int64_t i) {
+    const int64_t row = r[i] < 0 ? r[i] + num_rows : r[i];
+    return row >= 0 && row < num_rows ? row : int64_t{-1};
+  };
+  for (int64_t i = 0; i < nse; ++i) {
+    if (i + kPrefetchRows < nse) {
+      const int64_t ahead = in_range(i + kPrefetchRows);
+      if (ahead >= 0) PrefetchLine(steps + ahead);
+    }
+    const int64_t row = in_range(i);
+    const int32_t old = row >= 0 ? steps[row] : 0;
+    const int32_t count = old < INT32_MAX ? old + 1 : INT32_MAX;
+    out[i] = count;
+    t[i] = static_cast<float>(std::max(count, 1));
+  }
+  return ffi::Error::Success();
+}
+
 // The inputs every fused moment step starts with (rows, values, m, v, coefficients,
 // rounding keys).
 auto MomentStepInputs() {
@@ -1060,6 +1093,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(OsaFusedAdamOptionsF32, FusedAdamOptionsImpl,
                                       .Attr<bool>("amsgrad")
                                       .Attr<bool>("per_row"))
                                   .Ret<ffi::Buffer<ffi::S32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(OsaEntryStepsS32, EntryStepsImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(OsaScatterAddRowsF32, ScatterAddRowsImpl,
                               ffi::Ffi::Bind()

@@ -18,7 +18,6 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import optax
 
 from optax_sparse_adam._core import rounding
 from optax_sparse_adam._core.errors import is_python_number
@@ -33,6 +32,7 @@ from optax_sparse_adam._core.rules import RowsStep, StepInputs, StepPlan, Tables
 FUSED_ADAM = "optax_sparse_adam_fused_adam_f32"
 FUSED_ADAM_OPTIONS = "optax_sparse_adam_fused_adam_options_f32"
 FUSED_ROWWISE_ADAM = "optax_sparse_adam_fused_rowwise_adam_f32"
+ENTRY_STEPS = "optax_sparse_adam_entry_steps_s32"
 # Under jax.vmap a kernel runs once per batch element (a loop around the call).
 VMAP_METHOD = "sequential"
 
@@ -69,16 +69,26 @@ def _rounding_keys(inputs: StepInputs, plan: StepPlan) -> jax.Array:
 
 
 def _entry_step_counts(inputs: StepInputs) -> tuple[jax.Array, jax.Array]:
-  """int32 `(nse,)` twice: each entry's row's step count after this step, as `xla.masked_step`
-  stores it, and as its bias correction counts it (at least 1); padding entries: unused.
+  """`(nse,)` twice: each entry's row's step count after this step (int32), as
+  `xla.masked_step` stores it, and as its bias correction counts it (at least 1,
+  float32: what the step sizes convert it to); padding entries: unused.
 
-  Both go to the kernel (the first to be stored): a gather with two consumers is
-  computed once, where one fused into the step sizes' loop would be scalar code.
+  One small kernel (`EntryStepsImpl`), not XLA ops: XLA:CPU splits the gather
+  and the selects around it over two threads at a few thousand entries and
+  waits for the second, which on a busy machine took longer than the step.
   """
-  assert inputs.tables.row_step is not None
-  old = inputs.tables.row_step.at[inputs.rows].get(mode="fill", fill_value=0)
-  new = optax.safe_increment(old)
-  return new, jnp.maximum(new, 1)
+  row_step = inputs.tables.row_step
+  assert row_step is not None
+  call = jax.ffi.ffi_call(
+    ENTRY_STEPS,
+    (
+      jax.ShapeDtypeStruct(inputs.rows.shape, jnp.int32),
+      jax.ShapeDtypeStruct(inputs.rows.shape, jnp.float32),
+    ),
+    vmap_method=VMAP_METHOD,
+  )
+  new, counts = call(inputs.rows, jnp.reshape(row_step, (-1,)))
+  return new, counts
 
 
 def _decay_coefficient(inputs: StepInputs, plan: StepPlan) -> jax.Array:
