@@ -180,16 +180,23 @@ def test_weight_decay_needs_the_rounding_zero_for_the_kernel():
 def test_entry_steps_kernel_counts_as_the_xla_gather():
   """Per-row steps: each entry's row count after the step as the XLA path gathers and
   increments it: a row out of range counts from 0, a negative row from the end (a jnp
-  gather's rule), a count at the int32 maximum stays there; and that count as a float32."""
+  gather's rule), a count at the int32 maximum stays there; that count as a float32; and
+  the rows' counts with the new ones stored, a repeated row's once."""
   top = np.iinfo(np.int32).max
   row_step = jnp.array([0, 3, top, -5, 7], jnp.int32)
   rows = jnp.array([1, 1, 2, 3, 5, -1, -9, 0, 4], jnp.int32)
   out_types = (
     jax.ShapeDtypeStruct(rows.shape, jnp.int32),
     jax.ShapeDtypeStruct(rows.shape, jnp.float32),
+    jax.ShapeDtypeStruct(row_step.shape, jnp.int32),
   )
-  steps, counts = jax.jit(jax.ffi.ffi_call(ENTRY_STEPS_KERNEL, out_types))(rows, row_step)
+  call = jax.ffi.ffi_call(ENTRY_STEPS_KERNEL, out_types, input_output_aliases={1: 2})
+  steps, counts, stored = jax.jit(call)(rows, row_step)
   expected = optax.safe_increment(row_step.at[rows].get(mode="fill", fill_value=0))
   np.testing.assert_array_equal(steps, expected)
-  np.testing.assert_array_equal(counts, np.maximum(np.asarray(expected), 1).astype(np.float32))
   np.testing.assert_array_equal(steps, [4, 4, top, -4, 1, 8, 1, 1, 8])
+  np.testing.assert_array_equal(counts, np.maximum(np.asarray(expected), 1).astype(np.float32))
+  wrapped = jnp.where(rows < 0, rows + 5, rows)
+  dropped = jnp.where((wrapped >= 0) & (wrapped < 5), wrapped, 5)
+  np.testing.assert_array_equal(stored, row_step.at[dropped].set(expected, mode="drop"))
+  np.testing.assert_array_equal(stored, [1, 4, top, -4, 8])

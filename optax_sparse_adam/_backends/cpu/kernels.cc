@@ -634,12 +634,12 @@ const CatchUpRow& CachedCatchUpRow(const CatchUpConstants& c, int32_t last, uint
 // or updated in place by a fused step with options: param f32 (the parameter in
 // its own shape, read; empty without weight decay), nu_max (amsgrad's running
 // max, stored and shaped like nu, updated in place; empty without amsgrad),
-// row_step s32 (num_rows,) (each row's step count, updated in place; empty
-// without per-row steps), entry_scales f32 (nse, width) and entry_steps s32
-// (nse,) (each gradient entry's row's step-size factors for its new step count
-// and that count, as XLA computes them from the row's count: the kernel stores
-// the count of the row's first entry; empty without per-row steps). XLA
-// gathers the counts because its step sizes' exp is not the C library's.
+// entry_scales f32 (nse, width) (each gradient entry's row's step-size factors
+// for its new step count, computed by XLA, whose exp is not the C library's,
+// from `EntryStepsImpl`'s counts; empty without per-row steps), row_step s32
+// (num_rows,) and entry_steps s32 (nse,) (each row's step count, updated in
+// place to the count of its first entry; both empty where `EntryStepsImpl`
+// stores the counts, as `moment_steps` has it, or without per-row steps).
 struct OptionInputs {
   ffi::Buffer<ffi::F32> param;
   ffi::AnyBuffer nu_max;
@@ -692,12 +692,16 @@ ffi::Error PrepareOptions(const MomentStep& step, const OptionInputs& in, Option
                         in.nu_max.element_count() != step.nu.element_count())) {
     return ffi::Error::InvalidArgument("nu_max must have nu's dtype and size with amsgrad");
   }
+  // The counts are stored here only if row_step is given (`EntryStepsImpl` stores them).
+  const bool store_steps = flags.per_row && in.row_step.element_count() > 0;
   if (flags.per_row &&
-      (static_cast<int64_t>(in.row_step.element_count()) != num_rows ||
-       static_cast<int64_t>(in.entry_scales.element_count()) != nse * flags.scales_width ||
-       static_cast<int64_t>(in.entry_steps.element_count()) != nse)) {
+      static_cast<int64_t>(in.entry_scales.element_count()) != nse * flags.scales_width) {
+    return ffi::Error::InvalidArgument("entry_scales must hold the step sizes of every entry");
+  }
+  if (store_steps && (static_cast<int64_t>(in.row_step.element_count()) != num_rows ||
+                      static_cast<int64_t>(in.entry_steps.element_count()) != nse)) {
     return ffi::Error::InvalidArgument(
-        "row_step must hold one step per row, entry_scales and entry_steps one per entry");
+        "row_step must be empty or hold one step per row, entry_steps one per entry");
   }
   if (flags.amsgrad) CopyIfNotAliased(in.nu_max, in.nu_max_out);
   int32_t* steps = in.row_step_out->typed_data();
@@ -706,9 +710,9 @@ ffi::Error PrepareOptions(const MomentStep& step, const OptionInputs& in, Option
   }
   out.p = flags.decay ? in.param.typed_data() : nullptr;
   out.nu_max = flags.amsgrad ? in.nu_max_out->untyped_data() : nullptr;
-  out.row_step = flags.per_row ? steps : nullptr;
+  out.row_step = store_steps ? steps : nullptr;
   out.entry_scales = flags.per_row ? in.entry_scales.typed_data() : nullptr;
-  out.entry_steps = flags.per_row ? in.entry_steps.typed_data() : nullptr;
+  out.entry_steps = store_steps ? in.entry_steps.typed_data() : nullptr;
   out.row_size = num_rows > 0 ? static_cast<int64_t>(step.mu.element_count()) / num_rows : 0;
   out.nu_row_bytes = nu_row_size * (step.nu.element_type() == ffi::DataType::F32 ? 4 : 2);
   return ffi::Error::Success();
@@ -986,19 +990,24 @@ ffi::Error ScatterAddRowsImpl(ffi::Buffer<ffi::F32> param, ffi::Buffer<ffi::S32>
   return ffi::Error::Success();
 }
 
-// Each gradient entry's row's step count after this step, as `moment_steps`
-// gathers it for per-row bias correction: `row_step[rows[i]]` (0 for a row out
-// of range; a negative row counts from the end, as in a jnp gather), plus one
-// unless it is INT32_MAX (`optax.safe_increment`); and that count, at least 1,
-// as a float32 (for the step sizes XLA computes from it). One thread: XLA would
-// split the gather and the ops around it over its threads and wait for them.
+// Per-row step counts (`xla.masked_step`'s): each gradient entry's row's count
+// after this step, `row_step[rows[i]]` (0 for a row out of range; a negative row
+// counts from the end, as in a jnp gather) plus one unless it is INT32_MAX
+// (`optax.safe_increment`); that count, at least 1, as a float32 (for the step
+// sizes XLA computes from it); and row_step with the touched rows' new counts
+// (aliased: in place when donated). One thread, one pass over the counts: XLA
+// would split the gather and the ops around it over its threads and wait.
 ffi::Error EntryStepsImpl(ffi::Buffer<ffi::S32> rows, ffi::Buffer<ffi::S32> row_step,
                           ffi::ResultBuffer<ffi::S32> entry_steps,
-                          ffi::ResultBuffer<ffi::F32> counts) {
+                          ffi::ResultBuffer<ffi::F32> counts,
+                          ffi::ResultBuffer<ffi::S32> row_step_out) {
   const int64_t nse = static_cast<int64_t>(rows.element_count());
   const int64_t num_rows = static_cast<int64_t>(row_step.element_count());
   const int32_t* r = rows.typed_data();
-  const int32_t* steps = row_step.typed_data();
+  int32_t* steps = row_step_out->typed_data();
+  if (steps != row_step.typed_data()) {
+    std::memcpy(steps, row_step.typed_data(), row_step.size_bytes());
+  }
   int32_t* out = entry_steps->typed_data();
   float* t = counts->typed_data();
   const auto in_range = [&](int64_t i) {
@@ -1015,6 +1024,11 @@ ffi::Error EntryStepsImpl(ffi::Buffer<ffi::S32> rows, ffi::Buffer<ffi::S32> row_
     const int32_t count = old < INT32_MAX ? old + 1 : INT32_MAX;
     out[i] = count;
     t[i] = static_cast<float>(std::max(count, 1));
+  }
+  // Stored once every entry has read its row's old count (a row may repeat).
+  for (int64_t i = 0; i < nse; ++i) {
+    const int64_t row = in_range(i);
+    if (row >= 0) steps[row] = out[i];
   }
   return ffi::Error::Success();
 }
@@ -1099,7 +1113,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(OsaEntryStepsS32, EntryStepsImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(OsaScatterAddRowsF32, ScatterAddRowsImpl,
                               ffi::Ffi::Bind()
