@@ -635,19 +635,14 @@ const CatchUpRow& CachedCatchUpRow(const CatchUpConstants& c, int32_t last, uint
 // its own shape, read; empty without weight decay), nu_max (amsgrad's running
 // max, stored and shaped like nu, updated in place; empty without amsgrad),
 // entry_scales f32 (nse, width) (each gradient entry's row's step-size factors
-// for its new step count, computed by XLA, whose exp is not the C library's,
-// from `EntryStepsImpl`'s counts; empty without per-row steps), row_step s32
-// (num_rows,) and entry_steps s32 (nse,) (each row's step count, updated in
-// place to the count of its first entry; both empty where `EntryStepsImpl`
-// stores the counts, as `moment_steps` has it, or without per-row steps).
+// for its row's new step count, computed by XLA, whose exp is not the C
+// library's, from `EntryStepsImpl`'s counts, which it also stores; empty
+// without per-row steps).
 struct OptionInputs {
   ffi::Buffer<ffi::F32> param;
   ffi::AnyBuffer nu_max;
-  ffi::Buffer<ffi::S32> row_step;
   ffi::Buffer<ffi::F32> entry_scales;
-  ffi::Buffer<ffi::S32> entry_steps;
   ffi::Result<ffi::AnyBuffer>& nu_max_out;
-  ffi::ResultBuffer<ffi::S32>& row_step_out;
 };
 
 // Which options a step has; `scales_width`: entry_scales' values per entry.
@@ -662,9 +657,7 @@ struct OptionFlags {
 struct OptionBuffers {
   const float* p = nullptr;
   void* nu_max = nullptr;
-  int32_t* row_step = nullptr;
   const float* entry_scales = nullptr;
-  const int32_t* entry_steps = nullptr;
   int64_t row_size = 0;      // values in a row of param
   int64_t nu_row_bytes = 0;  // bytes in a row of nu_max
 
@@ -675,7 +668,6 @@ struct OptionBuffers {
       const char* base = static_cast<const char*>(nu_max) + row * nu_row_bytes;
       for (int64_t j = 0; j < nu_row_bytes; j += kBytesPerLine) PrefetchLine(base + j);
     }
-    if (row_step != nullptr) PrefetchLine(row_step + row);
   }
 };
 
@@ -692,27 +684,14 @@ ffi::Error PrepareOptions(const MomentStep& step, const OptionInputs& in, Option
                         in.nu_max.element_count() != step.nu.element_count())) {
     return ffi::Error::InvalidArgument("nu_max must have nu's dtype and size with amsgrad");
   }
-  // The counts are stored here only if row_step is given (`EntryStepsImpl` stores them).
-  const bool store_steps = flags.per_row && in.row_step.element_count() > 0;
   if (flags.per_row &&
       static_cast<int64_t>(in.entry_scales.element_count()) != nse * flags.scales_width) {
     return ffi::Error::InvalidArgument("entry_scales must hold the step sizes of every entry");
   }
-  if (store_steps && (static_cast<int64_t>(in.row_step.element_count()) != num_rows ||
-                      static_cast<int64_t>(in.entry_steps.element_count()) != nse)) {
-    return ffi::Error::InvalidArgument(
-        "row_step must be empty or hold one step per row, entry_steps one per entry");
-  }
   if (flags.amsgrad) CopyIfNotAliased(in.nu_max, in.nu_max_out);
-  int32_t* steps = in.row_step_out->typed_data();
-  if (steps != in.row_step.typed_data() && in.row_step.element_count() > 0) {
-    std::memcpy(steps, in.row_step.typed_data(), in.row_step.size_bytes());
-  }
   out.p = flags.decay ? in.param.typed_data() : nullptr;
   out.nu_max = flags.amsgrad ? in.nu_max_out->untyped_data() : nullptr;
-  out.row_step = store_steps ? steps : nullptr;
   out.entry_scales = flags.per_row ? in.entry_scales.typed_data() : nullptr;
-  out.entry_steps = store_steps ? in.entry_steps.typed_data() : nullptr;
   out.row_size = num_rows > 0 ? static_cast<int64_t>(step.mu.element_count()) / num_rows : 0;
   out.nu_row_bytes = nu_row_size * (step.nu.element_type() == ffi::DataType::F32 ? 4 : 2);
   return ffi::Error::Success();
@@ -747,7 +726,6 @@ ffi::Error RunOptionStep(MomentStep& step, const OptionInputs& in, OptionFlags f
             o.p == nullptr ? nullptr : o.p + r.row * r.size,
             o.nu_max == nullptr ? nullptr : static_cast<NuT*>(o.nu_max) + r.row * nu_row_size,
             o.entry_scales == nullptr ? nullptr : o.entry_scales + r.entry * flags.scales_width};
-        if (o.row_step != nullptr) o.row_step[r.row] = o.entry_steps[r.entry];
         update(r, options);
       },
       [&](int64_t row) {
@@ -787,15 +765,14 @@ void WithOptions(int decay, bool catch_up, bool amsgrad, Body body) {
 ffi::Error FusedAdamOptionsImpl(
     ffi::Buffer<ffi::S32> rows, ffi::Buffer<ffi::F32> values, ffi::AnyBuffer mu,
     ffi::AnyBuffer nu, ffi::Buffer<ffi::F32> coeffs, ffi::Buffer<ffi::U32> keys,
-    ffi::Buffer<ffi::F32> param, ffi::AnyBuffer nu_max, ffi::Buffer<ffi::S32> row_step,
-    ffi::Buffer<ffi::F32> entry_scales, ffi::Buffer<ffi::S32> entry_steps,
+    ffi::Buffer<ffi::F32> param, ffi::AnyBuffer nu_max, ffi::Buffer<ffi::F32> entry_scales,
     ffi::Buffer<ffi::S32> last_step,
     ffi::Buffer<ffi::S32> step_count, int64_t num_rows, bool maximize, bool stochastic,
     bool decoupled, bool catch_up, bool guard_eps, bool given_step_size, bool l2, bool amsgrad,
     bool per_row, ffi::ThreadPool pool, ffi::ResultBuffer<ffi::S32> distinct_rows,
     ffi::ResultBuffer<ffi::F32> delta, ffi::Result<ffi::AnyBuffer> mu_out,
     ffi::Result<ffi::AnyBuffer> nu_out, ffi::Result<ffi::AnyBuffer> nu_max_out,
-    ffi::ResultBuffer<ffi::S32> row_step_out, ffi::ResultBuffer<ffi::S32> last_step_out) {
+    ffi::ResultBuffer<ffi::S32> last_step_out) {
   const int decay = decoupled ? kDecoupled : (l2 ? kL2 : kNoDecay);
   if (catch_up && (l2 || per_row)) {
     return ffi::Error::InvalidArgument("catch-up takes no L2 weight decay or per-row steps");
@@ -818,7 +795,7 @@ ffi::Error FusedAdamOptionsImpl(
   const uint64_t call = catch_up_calls.fetch_add(1) + 1;
   return RunOptionStep<20, false>(
       step,
-      {param, nu_max, row_step, entry_scales, entry_steps, nu_max_out, row_step_out},
+      {param, nu_max, entry_scales, nu_max_out},
       {decay != kNoDecay, amsgrad, per_row, 1},
       [&](auto r, auto options) {
         using R = decltype(r);
@@ -906,13 +883,13 @@ OSA_MULTIVERSIONED_TEMPLATE void RowwiseAdamRow(
 ffi::Error FusedRowwiseAdamImpl(
     ffi::Buffer<ffi::S32> rows, ffi::Buffer<ffi::F32> values, ffi::AnyBuffer mu,
     ffi::AnyBuffer nu, ffi::Buffer<ffi::F32> coeffs, ffi::Buffer<ffi::U32> keys,
-    ffi::Buffer<ffi::F32> param, ffi::AnyBuffer nu_max, ffi::Buffer<ffi::S32> row_step,
-    ffi::Buffer<ffi::F32> entry_scales, ffi::Buffer<ffi::S32> entry_steps, int64_t num_rows,
+    ffi::Buffer<ffi::F32> param, ffi::AnyBuffer nu_max, ffi::Buffer<ffi::F32> entry_scales,
+    int64_t num_rows,
     bool maximize, bool stochastic,
     int64_t decay, bool amsgrad, bool per_row, ffi::ThreadPool pool,
     ffi::ResultBuffer<ffi::S32> distinct_rows, ffi::ResultBuffer<ffi::F32> delta,
     ffi::Result<ffi::AnyBuffer> mu_out, ffi::Result<ffi::AnyBuffer> nu_out,
-    ffi::Result<ffi::AnyBuffer> nu_max_out, ffi::ResultBuffer<ffi::S32> row_step_out) {
+    ffi::Result<ffi::AnyBuffer> nu_max_out) {
   if (decay < kNoDecay || decay > kDecoupled) {
     return ffi::Error::InvalidArgument("decay must be 0 (none), 1 (L2) or 2 (decoupled)");
   }
@@ -921,7 +898,7 @@ ffi::Error FusedRowwiseAdamImpl(
   const float* c = coeffs.typed_data();
   return RunOptionStep<7, true>(
       step,
-      {param, nu_max, row_step, entry_scales, entry_steps, nu_max_out, row_step_out},
+      {param, nu_max, entry_scales, nu_max_out},
       {decay != kNoDecay, amsgrad, per_row, 2},
       [&](auto r, auto options) {
         using R = decltype(r);
@@ -1050,9 +1027,7 @@ auto OptionStepInputs() {
   return MomentStepInputs()
       .Arg<ffi::Buffer<ffi::F32>>()
       .Arg<ffi::AnyBuffer>()
-      .Arg<ffi::Buffer<ffi::S32>>()
-      .Arg<ffi::Buffer<ffi::F32>>()
-      .Arg<ffi::Buffer<ffi::S32>>();
+      .Arg<ffi::Buffer<ffi::F32>>();
 }
 
 // The attributes every fused moment step starts with, after its inputs.
@@ -1075,12 +1050,10 @@ auto MomentStepOutputs(Binding&& binding) {
       .template Ret<ffi::AnyBuffer>();
 }
 
-// A step's outputs, then the option buffers it updates (nu_max, row_step).
+// A step's outputs, then the option buffer it updates (nu_max).
 template <typename Binding>
 auto OptionStepOutputs(Binding&& binding) {
-  return MomentStepOutputs(std::move(binding))
-      .template Ret<ffi::AnyBuffer>()
-      .template Ret<ffi::Buffer<ffi::S32>>();
+  return MomentStepOutputs(std::move(binding)).template Ret<ffi::AnyBuffer>();
 }
 
 }  // namespace

@@ -111,15 +111,12 @@ class _OptionArrays(NamedTuple):
 
   param: jax.Array
   nu_max: jax.Array
-  row_step: jax.Array
   entry_scales: jax.Array
-  entry_steps: jax.Array
 
 
 def _option_arrays(inputs: StepInputs, plan: StepPlan, entry_scales: Any = None) -> _OptionArrays:
   """The step's option buffers; with per-row steps, `entry_scales`: each entry's step-size
-  factors, `(nse,)` or `(nse, k)` (the rows' counts are `_entry_step_counts`'s: the row
-  steps and entry steps are left empty)."""
+  factors, `(nse,)` or `(nse, k)` (the rows' counts are `_entry_step_counts`'s)."""
   tables = inputs.tables
   nu = tables.slots["nu"]
   param = tables.param if plan.config.weight_decay != "none" else None
@@ -127,9 +124,7 @@ def _option_arrays(inputs: StepInputs, plan: StepPlan, entry_scales: Any = None)
   return _OptionArrays(
     jnp.zeros((0,), f32) if param is None else param,
     tables.slots.get("nu_max", jnp.zeros((0,), nu.dtype)),
-    jnp.zeros((0,), jnp.int32),
     jnp.zeros((0,), f32) if entry_scales is None else jnp.asarray(entry_scales, f32),
-    jnp.zeros((0,), jnp.int32),
   )
 
 
@@ -213,7 +208,7 @@ def _adam_options_step(inputs: StepInputs, plan: StepPlan) -> RowsStep:
   else:
     extra = [0.0] * _NUM_CATCH_UP_CONSTANTS
   coefficients = [step_size, _decay_coefficient(inputs, plan), *extra]
-  rows, delta, mu, nu, nu_max, _, last_step = _fused_call(
+  rows, delta, mu, nu, nu_max, last_step = _fused_call(
     FUSED_ADAM_OPTIONS,
     inputs,
     plan,
@@ -252,7 +247,7 @@ def rowwise_adam_step(inputs: StepInputs, plan: StepPlan) -> RowsStep:
     entry_scales = jnp.stack(bias_corrections(hyper, counts, f32), 1)
   inv_row_size = inverse_row_size(math.prod(plan.layout.dense_shape), f32)
   coefficients = [lr_over_bc1, inv_bc2, inv_row_size, _decay_coefficient(inputs, plan)]
-  rows, delta, mu, nu, nu_max, _ = _fused_call(
+  rows, delta, mu, nu, nu_max = _fused_call(
     FUSED_ROWWISE_ADAM,
     inputs,
     plan,
@@ -284,7 +279,7 @@ def _fused_call(
   attributes `num_rows`, `maximize`, `stochastic` and `attributes`. Tables come
   in their own shapes (a reshape would make XLA copy an operand the kernel
   updates in place). Returns the distinct rows then padding, their deltas, the
-  new `mu` and `nu` (float32 or bfloat16), then the new `nu_max` and row steps
+  new `mu` and `nu` (float32 or bfloat16), then the new `nu_max`
   (with options) and the new `updated` arrays, each aliased to its operand (in
   place when donated).
   """
@@ -301,7 +296,7 @@ def _fused_call(
   ]
   written = [(2, mu), (3, nu)]
   if options is not None:
-    written += [(len(args) + 1, options.nu_max), (len(args) + 2, options.row_step)]
+    written += [(len(args) + 1, options.nu_max)]
     args += list(options)
   written += [(len(args) + i, x) for i, x in enumerate(updated)]
   args += [*updated, *read]
