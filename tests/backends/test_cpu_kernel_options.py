@@ -16,6 +16,7 @@ idle rows with these options is tests/backends/test_cpu_catch_up.py's.
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from jax.experimental import sparse
 
@@ -33,6 +34,7 @@ pytestmark = [
 
 ADAM_OPTIONS_KERNEL = "optax_sparse_adam_fused_adam_options_f32"
 ROWWISE_KERNEL = "optax_sparse_adam_fused_rowwise_adam_f32"
+ENTRY_STEPS_KERNEL = "optax_sparse_adam_entry_steps_s32"
 BF16 = {"mu_dtype": jnp.bfloat16, "nu_dtype": jnp.bfloat16}
 
 # name: (factory, keyword arguments), each with a learning rate of 2e-2.
@@ -156,6 +158,7 @@ def test_options_on_the_kernels_equal_the_xla_ops_bit_for_bit(name, use_jit):
     assert kernel in text and kernel not in xla_text
     assert ("amsgrad = true" in text) == ("amsgrad" in name)
     assert ("per_row = true" in text) == ("per_row" in name)
+    assert (ENTRY_STEPS_KERNEL in text) == ("per_row" in name)
   # The data reach every option: the NaN and inf propagated, the decay moved the params.
   params = with_kernels[-1][0]["w"]
   assert np.isnan(params).any() and np.isfinite(params).any()
@@ -172,3 +175,28 @@ def test_weight_decay_needs_the_rounding_zero_for_the_kernel():
   with_zero = StepInputs(rows, values, tables, step, hyper, jnp.zeros((), jnp.int32))
   assert kernels.step_applies(with_zero, plan)
   assert not kernels.step_applies(with_zero._replace(opaque_zero=None), plan)
+
+
+def test_entry_steps_kernel_counts_as_the_xla_gather():
+  """Per-row steps: each entry's row count after the step as the XLA path gathers and
+  increments it: a row out of range counts from 0, a negative row from the end (a jnp
+  gather's rule), a count at the int32 maximum stays there; that count as a float32; and
+  the rows' counts with the new ones stored, a repeated row's once."""
+  top = np.iinfo(np.int32).max
+  row_step = jnp.array([0, 3, top, -5, 7], jnp.int32)
+  rows = jnp.array([1, 1, 2, 3, 5, -1, -9, 0, 4], jnp.int32)
+  out_types = (
+    jax.ShapeDtypeStruct(rows.shape, jnp.int32),
+    jax.ShapeDtypeStruct(rows.shape, jnp.float32),
+    jax.ShapeDtypeStruct(row_step.shape, jnp.int32),
+  )
+  call = jax.ffi.ffi_call(ENTRY_STEPS_KERNEL, out_types, input_output_aliases={1: 2})
+  steps, counts, stored = jax.jit(call)(rows, row_step)
+  expected = optax.safe_increment(row_step.at[rows].get(mode="fill", fill_value=0))
+  np.testing.assert_array_equal(steps, expected)
+  np.testing.assert_array_equal(steps, [4, 4, top, -4, 1, 8, 1, 1, 8])
+  np.testing.assert_array_equal(counts, np.maximum(np.asarray(expected), 1).astype(np.float32))
+  wrapped = jnp.where(rows < 0, rows + 5, rows)
+  dropped = jnp.where((wrapped >= 0) & (wrapped < 5), wrapped, 5)
+  np.testing.assert_array_equal(stored, row_step.at[dropped].set(expected, mode="drop"))
+  np.testing.assert_array_equal(stored, [1, 4, top, -4, 8])

@@ -51,18 +51,21 @@ namespace ffi = xla::ffi;
 namespace {
 
 // Rows prefetched ahead of the one being updated: enough loads in flight to
-// hide DRAM latency on random rows, few enough to stay in L1.
-constexpr int64_t kPrefetchRows = 8;
+// hide DRAM latency on random rows, few enough to stay in L2.
+constexpr int64_t kPrefetchRows = 16;
 constexpr int64_t kBytesPerLine = 64;
 
-// Prefetches the cache line holding `p` (on x86-64 into every cache level, as
-// `__builtin_prefetch(p, 1)` does there). An asm statement, not the builtin: GCC
-// counts the builtin as free of side effects, so a function (a lambda) that only
-// prefetches is found pure and its calls are deleted as dead before it is
-// inlined; the Adam step had lost its prefetches so.
+// Prefetches the cache line holding `p` (on x86-64 into L2, `prefetcht1`: the
+// random rows of a step are bound by the core's outstanding misses, and a
+// prefetch into L1 holds a fill buffer until its line arrives; into L2, the row
+// loops over 2 to 4 tables of 1M rows measured 20-25% faster on the 2-core VM of
+// docs/performance). An asm statement, not the builtin: GCC counts the builtin
+// as free of side effects, so a function (a lambda) that only prefetches is
+// found pure and its calls are deleted as dead before it is inlined; the Adam
+// step had lost its prefetches so.
 inline void PrefetchLine(const void* p) {
 #if defined(__GNUC__) && defined(__x86_64__)
-  asm volatile("prefetcht0 %0" : : "m"(*static_cast<const char*>(p)));
+  asm volatile("prefetcht1 %0" : : "m"(*static_cast<const char*>(p)));
 #elif defined(__GNUC__) && defined(__aarch64__)
   asm volatile("prfm pstl1keep, %0" : : "Q"(*static_cast<const char*>(p)));
 #else
@@ -456,11 +459,29 @@ struct NoPrefetch {
   void operator()(int64_t) const {}
 };
 
+// One distinct row of a step, as an update sees it: its index, the position of
+// its first gradient entry, typed pointers to its moments (`Mu`, `Nu`: float or
+// uint16_t for bfloat16), its summed gradient `g` (to be turned into its delta),
+// the values in a row and the row's stochastic-rounding keys.
+template <typename MuT, typename NuT, bool kStochasticRounding>
+struct MomentRow {
+  using Mu = MuT;
+  using Nu = NuT;
+  static constexpr bool kStochastic = kStochasticRounding;
+  int64_t row;
+  int64_t entry;
+  MuT* m;
+  NuT* v;
+  float* g;
+  int64_t size;
+  uint32_t m_key;
+  uint32_t v_key;
+};
+
 // Checks a step's buffers, starts undonated outputs from the inputs, and runs
-// `update(rounding, row, entry, m, v, g, row_size, m_key, v_key)` on each distinct row
-// with typed pointers to its moments (`rounding::value`: stochastic rounding).
-// `kNuPerRow`: nu holds one value per row instead of a row. `prefetch(row)`
-// prefetches the row in the rule's other tables, if any.
+// `update(MomentRow)` on each distinct row. `kNuPerRow`: nu holds one value per
+// row instead of a row. `prefetch(row)` prefetches the row in the rule's other
+// tables, if any.
 template <int kNumCoeffs, bool kNuPerRow, typename Update, typename Prefetch = NoPrefetch>
 ffi::Error RunMomentStep(MomentStep& step, Update update, Prefetch prefetch = Prefetch{}) {
   const int64_t nse = static_cast<int64_t>(step.rows.element_count());
@@ -497,9 +518,10 @@ ffi::Error RunMomentStep(MomentStep& step, Update update, Prefetch prefetch = Pr
           prefetch(row);
         },
         [&](int64_t row, int64_t entry, float* g) {
-          update(rounding, row, entry, m + row * row_size, v + row * nu_row_size, g, row_size,
-                 kStochastic ? RowKey(mu_key, row + row_offset) : 0u,
-                 kStochastic ? RowKey(nu_key, row + row_offset) : 0u);
+          update(MomentRow<MuT, NuT, kStochastic>{
+              row, entry, m + row * row_size, v + row * nu_row_size, g, row_size,
+              kStochastic ? RowKey(mu_key, row + row_offset) : 0u,
+              kStochastic ? RowKey(nu_key, row + row_offset) : 0u});
         });
     return ffi::Error::Success();
   };
@@ -518,12 +540,10 @@ ffi::Error FusedAdamImpl(ffi::Buffer<ffi::S32> rows, ffi::Buffer<ffi::F32> value
   const float* c = coeffs.typed_data();
   const float neg_step_size = -c[3];
   return RunMomentStep<4, false>(
-      step, [&](auto rounding, int64_t, int64_t, auto* m, auto* v, float* g, int64_t row_size,
-                uint32_t m_key, uint32_t v_key) {
-        using MuT = std::remove_pointer_t<decltype(m)>;
-        using NuT = std::remove_pointer_t<decltype(v)>;
-        AdamRow<MuT, NuT, decltype(rounding)::value>(g, m, v, row_size, maximize, c[0], c[1], c[2],
-                                                     neg_step_size, m_key, v_key);
+      step, [&](auto r) {
+        using R = decltype(r);
+        AdamRow<typename R::Mu, typename R::Nu, R::kStochastic>(
+            r.g, r.m, r.v, r.size, maximize, c[0], c[1], c[2], neg_step_size, r.m_key, r.v_key);
       });
 }
 
@@ -614,54 +634,104 @@ const CatchUpRow& CachedCatchUpRow(const CatchUpConstants& c, int32_t last, uint
 // or updated in place by a fused step with options: param f32 (the parameter in
 // its own shape, read; empty without weight decay), nu_max (amsgrad's running
 // max, stored and shaped like nu, updated in place; empty without amsgrad),
-// row_step s32 (num_rows,) (each row's step count, updated in place; empty
-// without per-row steps), entry_scales f32 (nse, width) and entry_steps s32
-// (nse,) (each gradient entry's row's step-size factors for its new step count
-// and that count, as XLA computes them from the row's count: the kernel stores
-// the count of the row's first entry; empty without per-row steps). XLA
-// gathers the counts because its step sizes' exp is not the C library's.
+// entry_scales f32 (nse, width) (each gradient entry's row's step-size factors
+// for its row's new step count, computed by XLA, whose exp is not the C
+// library's, from `EntryStepsImpl`'s counts, which it also stores; empty
+// without per-row steps).
+struct OptionInputs {
+  ffi::Buffer<ffi::F32> param;
+  ffi::AnyBuffer nu_max;
+  ffi::Buffer<ffi::F32> entry_scales;
+  ffi::Result<ffi::AnyBuffer>& nu_max_out;
+};
+
+// Which options a step has; `scales_width`: entry_scales' values per entry.
+struct OptionFlags {
+  bool decay;
+  bool amsgrad;
+  bool per_row;
+  int64_t scales_width;
+};
+
+// The option buffers as a step's rows use them: null where unused.
 struct OptionBuffers {
   const float* p = nullptr;
   void* nu_max = nullptr;
-  int32_t* row_step = nullptr;
   const float* entry_scales = nullptr;
-  const int32_t* entry_steps = nullptr;
+  int64_t row_size = 0;      // values in a row of param
+  int64_t nu_row_bytes = 0;  // bytes in a row of nu_max
+
+  // Prefetches `row` in the tables the options read or write.
+  void Prefetch(int64_t row) const {
+    if (p != nullptr) PrefetchRow(p + row * row_size, row_size);
+    if (nu_max != nullptr) {
+      const char* base = static_cast<const char*>(nu_max) + row * nu_row_bytes;
+      for (int64_t j = 0; j < nu_row_bytes; j += kBytesPerLine) PrefetchLine(base + j);
+    }
+  }
 };
 
-// Checks the option buffers of a step of `nse` entries, starts undonated
-// outputs from the inputs, and points `out` at them.
-ffi::Error PrepareOptions(const ffi::AnyBuffer& nu, int64_t num_rows, int64_t nse,
-                          int64_t scales_width, bool decay, bool amsgrad, bool per_row,
-                          const ffi::Buffer<ffi::F32>& param, const ffi::AnyBuffer& nu_max,
-                          const ffi::Buffer<ffi::S32>& row_step,
-                          const ffi::Buffer<ffi::F32>& entry_scales,
-                          const ffi::Buffer<ffi::S32>& entry_steps, size_t param_count,
-                          ffi::Result<ffi::AnyBuffer>& nu_max_out,
-                          ffi::ResultBuffer<ffi::S32>& row_step_out, OptionBuffers& out) {
-  if (decay && param.element_count() != param_count) {
+// Checks the option buffers of `step`, starts undonated outputs from the inputs,
+// and points `out` at them.
+ffi::Error PrepareOptions(const MomentStep& step, const OptionInputs& in, OptionFlags flags,
+                          int64_t nu_row_size, OptionBuffers& out) {
+  const int64_t nse = static_cast<int64_t>(step.rows.element_count());
+  const int64_t num_rows = step.num_rows;
+  if (flags.decay && in.param.element_count() != step.mu.element_count()) {
     return ffi::Error::InvalidArgument("param must have mu's size with weight decay");
   }
-  if (amsgrad && (nu_max.element_type() != nu.element_type() ||
-                  nu_max.element_count() != nu.element_count())) {
+  if (flags.amsgrad && (in.nu_max.element_type() != step.nu.element_type() ||
+                        in.nu_max.element_count() != step.nu.element_count())) {
     return ffi::Error::InvalidArgument("nu_max must have nu's dtype and size with amsgrad");
   }
-  if (per_row && (static_cast<int64_t>(row_step.element_count()) != num_rows ||
-                  static_cast<int64_t>(entry_scales.element_count()) != nse * scales_width ||
-                  static_cast<int64_t>(entry_steps.element_count()) != nse)) {
-    return ffi::Error::InvalidArgument(
-        "row_step must hold one step per row, entry_scales and entry_steps one per entry");
+  if (flags.per_row &&
+      static_cast<int64_t>(in.entry_scales.element_count()) != nse * flags.scales_width) {
+    return ffi::Error::InvalidArgument("entry_scales must hold the step sizes of every entry");
   }
-  if (amsgrad) CopyIfNotAliased(nu_max, nu_max_out);
-  int32_t* steps = row_step_out->typed_data();
-  if (steps != row_step.typed_data() && row_step.element_count() > 0) {
-    std::memcpy(steps, row_step.typed_data(), row_step.size_bytes());
-  }
-  out.p = decay ? param.typed_data() : nullptr;
-  out.nu_max = amsgrad ? nu_max_out->untyped_data() : nullptr;
-  out.row_step = per_row ? steps : nullptr;
-  out.entry_scales = per_row ? entry_scales.typed_data() : nullptr;
-  out.entry_steps = per_row ? entry_steps.typed_data() : nullptr;
+  if (flags.amsgrad) CopyIfNotAliased(in.nu_max, in.nu_max_out);
+  out.p = flags.decay ? in.param.typed_data() : nullptr;
+  out.nu_max = flags.amsgrad ? in.nu_max_out->untyped_data() : nullptr;
+  out.entry_scales = flags.per_row ? in.entry_scales.typed_data() : nullptr;
+  out.row_size = num_rows > 0 ? static_cast<int64_t>(step.mu.element_count()) / num_rows : 0;
+  out.nu_row_bytes = nu_row_size * (step.nu.element_type() == ffi::DataType::F32 ? 4 : 2);
   return ffi::Error::Success();
+}
+
+// One row of the option buffers, as an update sees it: the row of the parameter
+// (weight decay) and of nu_max (amsgrad), the step-size factors of the row's
+// first entry (per-row steps); null where unused.
+template <typename NuT>
+struct OptionRow {
+  const float* p;
+  NuT* vmax;
+  const float* scales;
+};
+
+// `RunMomentStep` with the options' buffers: checks and prepares them, stores
+// each row's new step count (per-row steps), prefetches the rows they touch
+// (and `prefetch(row)`'s), and runs `update(MomentRow, OptionRow)` on each
+// distinct row.
+template <int kNumCoeffs, bool kNuPerRow, typename Update, typename Prefetch = NoPrefetch>
+ffi::Error RunOptionStep(MomentStep& step, const OptionInputs& in, OptionFlags flags,
+                         Update update, Prefetch prefetch = Prefetch{}) {
+  OptionBuffers o;
+  const int64_t row_size = RowSize(step.mu.element_count(), step.num_rows);
+  const int64_t nu_row_size = kNuPerRow ? 1 : row_size;
+  if (auto error = PrepareOptions(step, in, flags, nu_row_size, o); error.failure()) return error;
+  return RunMomentStep<kNumCoeffs, kNuPerRow>(
+      step,
+      [&](auto r) {
+        using NuT = typename decltype(r)::Nu;
+        const OptionRow<NuT> options{
+            o.p == nullptr ? nullptr : o.p + r.row * r.size,
+            o.nu_max == nullptr ? nullptr : static_cast<NuT*>(o.nu_max) + r.row * nu_row_size,
+            o.entry_scales == nullptr ? nullptr : o.entry_scales + r.entry * flags.scales_width};
+        update(r, options);
+      },
+      [&](int64_t row) {
+        o.Prefetch(row);
+        prefetch(row);
+      });
 }
 
 // Runs `body(decay, catch_up, amsgrad)` with the three as compile-time values
@@ -687,7 +757,7 @@ void WithOptions(int decay, bool catch_up, bool amsgrad, Body body) {
 // The Adam step with what the pipeline adds around the rule, in the kernel:
 // weight decay (L2 or decoupled), amsgrad, per-row step counts, catch-up of
 // idle rows. Buffers as the Adam step's, then the option buffers
-// (`OptionBuffers`; entry_scales (nse,): each entry's row's step size),
+// (`OptionInputs`; entry_scales (nse,): each entry's row's step size),
 // last_step s32 (num_rows,) (each row's last step, updated in place; empty
 // without catch-up) and step s32 (1,) (this step's count); coeffs f32 (20,) = (1 - b1,
 // 1 - b2, eps, step_size, wd (L2) or lr * wd (decoupled), log b1, log b2,
@@ -695,15 +765,14 @@ void WithOptions(int decay, bool catch_up, bool amsgrad, Body body) {
 ffi::Error FusedAdamOptionsImpl(
     ffi::Buffer<ffi::S32> rows, ffi::Buffer<ffi::F32> values, ffi::AnyBuffer mu,
     ffi::AnyBuffer nu, ffi::Buffer<ffi::F32> coeffs, ffi::Buffer<ffi::U32> keys,
-    ffi::Buffer<ffi::F32> param, ffi::AnyBuffer nu_max, ffi::Buffer<ffi::S32> row_step,
-    ffi::Buffer<ffi::F32> entry_scales, ffi::Buffer<ffi::S32> entry_steps,
+    ffi::Buffer<ffi::F32> param, ffi::AnyBuffer nu_max, ffi::Buffer<ffi::F32> entry_scales,
     ffi::Buffer<ffi::S32> last_step,
     ffi::Buffer<ffi::S32> step_count, int64_t num_rows, bool maximize, bool stochastic,
     bool decoupled, bool catch_up, bool guard_eps, bool given_step_size, bool l2, bool amsgrad,
     bool per_row, ffi::ThreadPool pool, ffi::ResultBuffer<ffi::S32> distinct_rows,
     ffi::ResultBuffer<ffi::F32> delta, ffi::Result<ffi::AnyBuffer> mu_out,
     ffi::Result<ffi::AnyBuffer> nu_out, ffi::Result<ffi::AnyBuffer> nu_max_out,
-    ffi::ResultBuffer<ffi::S32> row_step_out, ffi::ResultBuffer<ffi::S32> last_step_out) {
+    ffi::ResultBuffer<ffi::S32> last_step_out) {
   const int decay = decoupled ? kDecoupled : (l2 ? kL2 : kNoDecay);
   if (catch_up && (l2 || per_row)) {
     return ffi::Error::InvalidArgument("catch-up takes no L2 weight decay or per-row steps");
@@ -712,15 +781,6 @@ ffi::Error FusedAdamOptionsImpl(
     return ffi::Error::InvalidArgument("last_step must hold one step per row with catch-up");
   }
   if (step_count.element_count() != 1) return ffi::Error::InvalidArgument("step must be (1,)");
-  OptionBuffers o;
-  const int64_t nse = static_cast<int64_t>(rows.element_count());
-  if (auto error = PrepareOptions(nu, num_rows, nse, 1, decay != kNoDecay, amsgrad, per_row, param,
-                                  nu_max, row_step, entry_scales, entry_steps, mu.element_count(),
-                                  nu_max_out,
-                                  row_step_out, o);
-      error.failure()) {
-    return error;
-  }
   int32_t* last = last_step_out->typed_data();
   if (last != last_step.typed_data() && last_step.element_count() > 0) {
     std::memcpy(last, last_step.typed_data(), last_step.size_bytes());
@@ -733,51 +793,36 @@ ffi::Error FusedAdamOptionsImpl(
   const CatchUpConstants constants{step_count.typed_data()[0], c[5], c[6], c[7], c[8], c[9],
                                    given_step_size, decoupled, base(10), base(15)};
   const uint64_t call = catch_up_calls.fetch_add(1) + 1;
-  const int64_t table_row_size =
-      num_rows > 0 ? static_cast<int64_t>(mu.element_count()) / num_rows : 0;
-  return RunMomentStep<20, false>(
+  return RunOptionStep<20, false>(
       step,
-      [&](auto rounding, int64_t row, int64_t entry, auto* m, auto* v, float* g,
-          int64_t row_size, uint32_t m_key, uint32_t v_key) {
-        using MuT = std::remove_pointer_t<decltype(m)>;
-        using NuT = std::remove_pointer_t<decltype(v)>;
-        constexpr bool kStochastic = decltype(rounding)::value;
+      {param, nu_max, entry_scales, nu_max_out},
+      {decay != kNoDecay, amsgrad, per_row, 1},
+      [&](auto r, auto options) {
+        using R = decltype(r);
         RowExtras x;
         x.decay = c[4];
         x.guard_eps = guard_eps;
-        if (o.p != nullptr) x.p = o.p + row * row_size;
-        NuT* vmax = o.nu_max == nullptr ? nullptr : static_cast<NuT*>(o.nu_max) + row * row_size;
-        float row_neg_step_size = neg_step_size;
-        if (o.row_step != nullptr) {
-          row_neg_step_size = -o.entry_scales[entry];
-          o.row_step[row] = o.entry_steps[entry];
-        }
+        x.p = options.p;
+        const float row_neg_step_size =
+            options.scales == nullptr ? neg_step_size : -*options.scales;
         if (catch_up) {
-          const CatchUpRow& scalars = CachedCatchUpRow(constants, last[row], call);
+          const CatchUpRow& scalars = CachedCatchUpRow(constants, last[r.row], call);
           x.pow_b1 = scalars.pow_b1;
           x.pow_b2 = scalars.pow_b2;
           x.by_b1 = scalars.by_b1;
           x.by_r = scalars.by_r;
           x.decay_minus_one = scalars.decay_minus_one;
-          last[row] = std::max(last[row], constants.step);
+          last[r.row] = std::max(last[r.row], constants.step);
         }
-        WithOptions(decay, catch_up, vmax != nullptr, [&](auto d, auto caught, auto ams) {
-          AdamRow<MuT, NuT, kStochastic, decltype(d)::value, decltype(caught)::value,
-                  decltype(ams)::value>(g, m, v, row_size, maximize, c[0], c[1], c[2],
-                                        row_neg_step_size, m_key, v_key, &x, vmax);
+        WithOptions(decay, catch_up, options.vmax != nullptr, [&](auto d, auto caught, auto ams) {
+          AdamRow<typename R::Mu, typename R::Nu, R::kStochastic, decltype(d)::value,
+                  decltype(caught)::value, decltype(ams)::value>(
+              r.g, r.m, r.v, r.size, maximize, c[0], c[1], c[2], row_neg_step_size, r.m_key,
+              r.v_key, &x, options.vmax);
         });
       },
       [&](int64_t row) {
-        if (o.p != nullptr) PrefetchRow(o.p + row * table_row_size, table_row_size);
-        if (o.nu_max != nullptr) {
-          const auto* base_ptr = static_cast<const char*>(o.nu_max);
-          const int64_t width = nu.element_type() == ffi::DataType::F32 ? 4 : 2;
-          for (int64_t j = 0; j < table_row_size * width; j += kBytesPerLine) {
-            PrefetchLine(base_ptr + row * table_row_size * width + j);
-          }
-        }
         if (catch_up) PrefetchLine(last + row);
-        if (o.row_step != nullptr) PrefetchLine(o.row_step + row);
       });
 }
 
@@ -833,66 +878,41 @@ OSA_MULTIVERSIONED_TEMPLATE void RowwiseAdamRow(
 
 // The row-wise Adam step: nu holds one value per row ((num_rows,)), coeffs f32
 // (7,) = (1 - b1, 1 - b2, eps, lr / (1 - b1^t), 1 / (1 - b2^t), 1 / row_size,
-// wd (L2) or lr * wd (decoupled)), then the option buffers (`OptionBuffers`;
+// wd (L2) or lr * wd (decoupled)), then the option buffers (`OptionInputs`;
 // entry_scales (nse, 2): each entry's row's lr / (1 - b1^t), 1 / (1 - b2^t)).
 ffi::Error FusedRowwiseAdamImpl(
     ffi::Buffer<ffi::S32> rows, ffi::Buffer<ffi::F32> values, ffi::AnyBuffer mu,
     ffi::AnyBuffer nu, ffi::Buffer<ffi::F32> coeffs, ffi::Buffer<ffi::U32> keys,
-    ffi::Buffer<ffi::F32> param, ffi::AnyBuffer nu_max, ffi::Buffer<ffi::S32> row_step,
-    ffi::Buffer<ffi::F32> entry_scales, ffi::Buffer<ffi::S32> entry_steps, int64_t num_rows,
+    ffi::Buffer<ffi::F32> param, ffi::AnyBuffer nu_max, ffi::Buffer<ffi::F32> entry_scales,
+    int64_t num_rows,
     bool maximize, bool stochastic,
     int64_t decay, bool amsgrad, bool per_row, ffi::ThreadPool pool,
     ffi::ResultBuffer<ffi::S32> distinct_rows, ffi::ResultBuffer<ffi::F32> delta,
     ffi::Result<ffi::AnyBuffer> mu_out, ffi::Result<ffi::AnyBuffer> nu_out,
-    ffi::Result<ffi::AnyBuffer> nu_max_out, ffi::ResultBuffer<ffi::S32> row_step_out) {
+    ffi::Result<ffi::AnyBuffer> nu_max_out) {
   if (decay < kNoDecay || decay > kDecoupled) {
     return ffi::Error::InvalidArgument("decay must be 0 (none), 1 (L2) or 2 (decoupled)");
-  }
-  OptionBuffers o;
-  const int64_t nse = static_cast<int64_t>(rows.element_count());
-  if (auto error = PrepareOptions(nu, num_rows, nse, 2, decay != kNoDecay, amsgrad, per_row, param,
-                                  nu_max, row_step, entry_scales, entry_steps, mu.element_count(),
-                                  nu_max_out,
-                                  row_step_out, o);
-      error.failure()) {
-    return error;
   }
   MomentStep step{rows,       values, mu,   nu,            coeffs, keys,   num_rows,
                   stochastic, pool,   distinct_rows, delta, mu_out, nu_out};
   const float* c = coeffs.typed_data();
-  const int64_t table_row_size =
-      num_rows > 0 ? static_cast<int64_t>(mu.element_count()) / num_rows : 0;
-  const int64_t nu_width = nu.element_type() == ffi::DataType::F32 ? 4 : 2;
-  return RunMomentStep<7, true>(
+  return RunOptionStep<7, true>(
       step,
-      [&](auto rounding, int64_t row, int64_t entry, auto* m, auto* v, float* g,
-          int64_t row_size, uint32_t m_key, uint32_t v_key) {
-        using MuT = std::remove_pointer_t<decltype(m)>;
-        using NuT = std::remove_pointer_t<decltype(v)>;
-        constexpr bool kStochastic = decltype(rounding)::value;
+      {param, nu_max, entry_scales, nu_max_out},
+      {decay != kNoDecay, amsgrad, per_row, 2},
+      [&](auto r, auto options) {
+        using R = decltype(r);
         thread_local std::vector<float> scratch;
-        if (static_cast<int64_t>(scratch.size()) < row_size) scratch.resize(row_size);
-        float lr_over_bc1 = c[3], inv_bc2 = c[4];
-        if (o.row_step != nullptr) {
-          lr_over_bc1 = o.entry_scales[2 * entry];
-          inv_bc2 = o.entry_scales[2 * entry + 1];
-          o.row_step[row] = o.entry_steps[entry];
-        }
-        const float* p = o.p == nullptr ? nullptr : o.p + row * row_size;
-        NuT* vmax = o.nu_max == nullptr ? nullptr : static_cast<NuT*>(o.nu_max) + row;
+        if (static_cast<int64_t>(scratch.size()) < r.size) scratch.resize(r.size);
+        const float* scales = options.scales == nullptr ? c + 3 : options.scales;
         const auto run = [&](auto d) {
-          RowwiseAdamRow<MuT, NuT, kStochastic, decltype(d)::value>(
-              g, m, v, scratch.data(), row_size, maximize, c[0], c[1], c[2], lr_over_bc1, inv_bc2,
-              c[5], m_key, v_key, p, c[6], vmax);
+          RowwiseAdamRow<typename R::Mu, typename R::Nu, R::kStochastic, decltype(d)::value>(
+              r.g, r.m, r.v, scratch.data(), r.size, maximize, c[0], c[1], c[2], scales[0],
+              scales[1], c[5], r.m_key, r.v_key, options.p, c[6], options.vmax);
         };
         if (decay == kL2) return run(std::integral_constant<int, kL2>{});
         if (decay == kDecoupled) return run(std::integral_constant<int, kDecoupled>{});
         return run(std::integral_constant<int, kNoDecay>{});
-      },
-      [&](int64_t row) {
-        if (o.p != nullptr) PrefetchRow(o.p + row * table_row_size, table_row_size);
-        if (o.nu_max != nullptr) PrefetchLine(static_cast<const char*>(o.nu_max) + row * nu_width);
-        if (o.row_step != nullptr) PrefetchLine(o.row_step + row);
       });
 }
 
@@ -947,6 +967,49 @@ ffi::Error ScatterAddRowsImpl(ffi::Buffer<ffi::F32> param, ffi::Buffer<ffi::S32>
   return ffi::Error::Success();
 }
 
+// Per-row step counts (`xla.masked_step`'s): each gradient entry's row's count
+// after this step, `row_step[rows[i]]` (0 for a row out of range; a negative row
+// counts from the end, as in a jnp gather) plus one unless it is INT32_MAX
+// (`optax.safe_increment`); that count, at least 1, as a float32 (for the step
+// sizes XLA computes from it); and row_step with the touched rows' new counts
+// (aliased: in place when donated). One thread, one pass over the counts: XLA
+// would split the gather and the ops around it over its threads and wait.
+ffi::Error EntryStepsImpl(ffi::Buffer<ffi::S32> rows, ffi::Buffer<ffi::S32> row_step,
+                          ffi::ResultBuffer<ffi::S32> entry_steps,
+                          ffi::ResultBuffer<ffi::F32> counts,
+                          ffi::ResultBuffer<ffi::S32> row_step_out) {
+  const int64_t nse = static_cast<int64_t>(rows.element_count());
+  const int64_t num_rows = static_cast<int64_t>(row_step.element_count());
+  const int32_t* r = rows.typed_data();
+  int32_t* steps = row_step_out->typed_data();
+  if (steps != row_step.typed_data()) {
+    std::memcpy(steps, row_step.typed_data(), row_step.size_bytes());
+  }
+  int32_t* out = entry_steps->typed_data();
+  float* t = counts->typed_data();
+  const auto in_range = [&](int64_t i) {
+    const int64_t row = r[i] < 0 ? r[i] + num_rows : r[i];
+    return row >= 0 && row < num_rows ? row : int64_t{-1};
+  };
+  for (int64_t i = 0; i < nse; ++i) {
+    if (i + kPrefetchRows < nse) {
+      const int64_t ahead = in_range(i + kPrefetchRows);
+      if (ahead >= 0) PrefetchLine(steps + ahead);
+    }
+    const int64_t row = in_range(i);
+    const int32_t old = row >= 0 ? steps[row] : 0;
+    const int32_t count = old < INT32_MAX ? old + 1 : INT32_MAX;
+    out[i] = count;
+    t[i] = static_cast<float>(std::max(count, 1));
+  }
+  // Stored once every entry has read its row's old count (a row may repeat).
+  for (int64_t i = 0; i < nse; ++i) {
+    const int64_t row = in_range(i);
+    if (row >= 0) steps[row] = out[i];
+  }
+  return ffi::Error::Success();
+}
+
 // The inputs every fused moment step starts with (rows, values, m, v, coefficients,
 // rounding keys).
 auto MomentStepInputs() {
@@ -959,14 +1022,12 @@ auto MomentStepInputs() {
       .Arg<ffi::Buffer<ffi::U32>>();
 }
 
-// A step's inputs with the option buffers (`OptionBuffers`) after them.
+// A step's inputs with the option buffers (`OptionInputs`) after them.
 auto OptionStepInputs() {
   return MomentStepInputs()
       .Arg<ffi::Buffer<ffi::F32>>()
       .Arg<ffi::AnyBuffer>()
-      .Arg<ffi::Buffer<ffi::S32>>()
-      .Arg<ffi::Buffer<ffi::F32>>()
-      .Arg<ffi::Buffer<ffi::S32>>();
+      .Arg<ffi::Buffer<ffi::F32>>();
 }
 
 // The attributes every fused moment step starts with, after its inputs.
@@ -989,12 +1050,10 @@ auto MomentStepOutputs(Binding&& binding) {
       .template Ret<ffi::AnyBuffer>();
 }
 
-// A step's outputs, then the option buffers it updates (nu_max, row_step).
+// A step's outputs, then the option buffer it updates (nu_max).
 template <typename Binding>
 auto OptionStepOutputs(Binding&& binding) {
-  return MomentStepOutputs(std::move(binding))
-      .template Ret<ffi::AnyBuffer>()
-      .template Ret<ffi::Buffer<ffi::S32>>();
+  return MomentStepOutputs(std::move(binding)).template Ret<ffi::AnyBuffer>();
 }
 
 }  // namespace
@@ -1020,6 +1079,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(OsaFusedAdamOptionsF32, FusedAdamOptionsImpl,
                                       .Attr<bool>("l2")
                                       .Attr<bool>("amsgrad")
                                       .Attr<bool>("per_row"))
+                                  .Ret<ffi::Buffer<ffi::S32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(OsaEntryStepsS32, EntryStepsImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::S32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(OsaScatterAddRowsF32, ScatterAddRowsImpl,

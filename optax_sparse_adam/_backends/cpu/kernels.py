@@ -96,6 +96,9 @@ def available() -> bool:
     jax.ffi.register_ffi_target(
       _SCATTER_ADD_ROWS, jax.ffi.pycapsule(library.OsaScatterAddRowsF32), platform="cpu"
     )
+    jax.ffi.register_ffi_target(
+      moment_steps.ENTRY_STEPS, jax.ffi.pycapsule(library.OsaEntryStepsS32), platform="cpu"
+    )
   except (OSError, AttributeError):  # A stale or foreign build: keep the XLA path.
     return False
   return True

@@ -4,9 +4,10 @@
 step's scalars computed in XLA as `xla.masked_step` computes them (so the two
 paths round alike), the tables in their own shapes (a reshape would make XLA
 copy an operand the kernel updates in place) and, for the pipeline's options,
-the parameter (weight decay), the running max (amsgrad), the rows' step counts
-and each entry's step size (per-row bias correction) and the rows' last steps
-(catch-up). Unused buffers are empty. Every table the kernel writes is aliased
+the parameter (weight decay), the running max (amsgrad), each entry's step size
+(per-row bias correction: the rows' step counts are counted by a small kernel
+of their own first, `_entry_step_counts`) and the rows' last steps (catch-up).
+Unused buffers are empty. Every table the kernel writes is aliased
 to its operand, so it is updated in place when donated.
 """
 
@@ -18,7 +19,6 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import optax
 
 from optax_sparse_adam._core import rounding
 from optax_sparse_adam._core.errors import is_python_number
@@ -33,6 +33,7 @@ from optax_sparse_adam._core.rules import RowsStep, StepInputs, StepPlan, Tables
 FUSED_ADAM = "optax_sparse_adam_fused_adam_f32"
 FUSED_ADAM_OPTIONS = "optax_sparse_adam_fused_adam_options_f32"
 FUSED_ROWWISE_ADAM = "optax_sparse_adam_fused_rowwise_adam_f32"
+ENTRY_STEPS = "optax_sparse_adam_entry_steps_s32"
 # Under jax.vmap a kernel runs once per batch element (a loop around the call).
 VMAP_METHOD = "sequential"
 
@@ -69,16 +70,30 @@ def _rounding_keys(inputs: StepInputs, plan: StepPlan) -> jax.Array:
 
 
 def _entry_step_counts(inputs: StepInputs) -> tuple[jax.Array, jax.Array]:
-  """int32 `(nse,)` twice: each entry's row's step count after this step, as `xla.masked_step`
-  stores it, and as its bias correction counts it (at least 1); padding entries: unused.
+  """Per-row steps' counts: each entry's row's count after this step as its bias correction
+  counts it (at least 1; float32, what the step sizes convert it to; padding entries:
+  unused), and the rows' counts with the touched rows' new ones (in place when donated),
+  as `xla.masked_step` gathers, increments and stores them.
 
-  Both go to the kernel (the first to be stored): a gather with two consumers is
-  computed once, where one fused into the step sizes' loop would be scalar code.
+  One small kernel (`EntryStepsImpl`), not XLA ops: XLA:CPU splits the gather and
+  the selects around it over two threads at a few thousand entries and waits for
+  the second, which on a busy machine took longer than the step; and the step's
+  kernel then leaves the counts alone (one pass over them, not two).
   """
-  assert inputs.tables.row_step is not None
-  old = inputs.tables.row_step.at[inputs.rows].get(mode="fill", fill_value=0)
-  new = optax.safe_increment(old)
-  return new, jnp.maximum(new, 1)
+  row_step = inputs.tables.row_step
+  assert row_step is not None
+  call = jax.ffi.ffi_call(
+    ENTRY_STEPS,
+    (
+      jax.ShapeDtypeStruct(inputs.rows.shape, jnp.int32),
+      jax.ShapeDtypeStruct(inputs.rows.shape, jnp.float32),
+      jax.ShapeDtypeStruct(row_step.shape, row_step.dtype),
+    ),
+    input_output_aliases={1: 2},
+    vmap_method=VMAP_METHOD,
+  )
+  _, counts, new_row_step = call(inputs.rows, row_step)
+  return counts, new_row_step
 
 
 def _decay_coefficient(inputs: StepInputs, plan: StepPlan) -> jax.Array:
@@ -92,20 +107,16 @@ def _decay_coefficient(inputs: StepInputs, plan: StepPlan) -> jax.Array:
 
 
 class _OptionArrays(NamedTuple):
-  """The option buffers of a fused step (`OptionBuffers` in kernels.cc): empty where unused."""
+  """The option buffers of a fused step (`OptionInputs` in kernels.cc): empty where unused."""
 
   param: jax.Array
   nu_max: jax.Array
-  row_step: jax.Array
   entry_scales: jax.Array
-  entry_steps: jax.Array
 
 
-def _option_arrays(
-  inputs: StepInputs, plan: StepPlan, entry_scales: Any = None, entry_steps: Any = None
-) -> _OptionArrays:
+def _option_arrays(inputs: StepInputs, plan: StepPlan, entry_scales: Any = None) -> _OptionArrays:
   """The step's option buffers; with per-row steps, `entry_scales`: each entry's step-size
-  factors, `(nse,)` or `(nse, k)`, and `entry_steps`: its row's new count."""
+  factors, `(nse,)` or `(nse, k)` (the rows' counts are `_entry_step_counts`'s)."""
   tables = inputs.tables
   nu = tables.slots["nu"]
   param = tables.param if plan.config.weight_decay != "none" else None
@@ -113,9 +124,7 @@ def _option_arrays(
   return _OptionArrays(
     jnp.zeros((0,), f32) if param is None else param,
     tables.slots.get("nu_max", jnp.zeros((0,), nu.dtype)),
-    jnp.zeros((0,), jnp.int32) if tables.row_step is None else tables.row_step,
     jnp.zeros((0,), f32) if entry_scales is None else jnp.asarray(entry_scales, f32),
-    jnp.zeros((0,), jnp.int32) if entry_steps is None else entry_steps,
   )
 
 
@@ -170,7 +179,8 @@ _NUM_CATCH_UP_CONSTANTS = 15
 
 
 def _adam_options_step(inputs: StepInputs, plan: StepPlan) -> RowsStep:
-  """The Adam step with weight decay, amsgrad, per-row steps or catch-up: one FFI call.
+  """The Adam step with weight decay, amsgrad, per-row steps or catch-up: one FFI call
+  (with per-row steps, after `_entry_step_counts`'s).
 
   The plain step's call with the option buffers (`_OptionArrays`), then the rows'
   last steps (catch-up, updated in place) and this step's count. Equal to
@@ -185,10 +195,10 @@ def _adam_options_step(inputs: StepInputs, plan: StepPlan) -> RowsStep:
   per_row = tables.row_step is not None
   last_step = jnp.zeros((0,), i32) if tables.last_step is None else tables.last_step
   step = jnp.zeros((1,), i32) if inputs.step is None else jnp.reshape(inputs.step, (1,))
-  entry_scales = entry_steps = None
+  entry_scales = new_row_step = None
   step_size: Any = 0.0
   if per_row:
-    entry_steps, counts = _entry_step_counts(inputs)
+    counts, new_row_step = _entry_step_counts(inputs)
     sizes = plan.rule.step_size(hyper, counts)
     entry_scales = jnp.broadcast_to(jnp.asarray(sizes, f32), inputs.rows.shape)
   else:
@@ -198,12 +208,12 @@ def _adam_options_step(inputs: StepInputs, plan: StepPlan) -> RowsStep:
   else:
     extra = [0.0] * _NUM_CATCH_UP_CONSTANTS
   coefficients = [step_size, _decay_coefficient(inputs, plan), *extra]
-  rows, delta, mu, nu, nu_max, row_step, last_step = _fused_call(
+  rows, delta, mu, nu, nu_max, last_step = _fused_call(
     FUSED_ADAM_OPTIONS,
     inputs,
     plan,
     coefficients,
-    _option_arrays(inputs, plan, entry_scales, entry_steps),
+    _option_arrays(inputs, plan, entry_scales),
     updated=(last_step,),
     read=(step.astype(i32),),
     decoupled=config.weight_decay == "decoupled",
@@ -215,14 +225,15 @@ def _adam_options_step(inputs: StepInputs, plan: StepPlan) -> RowsStep:
     amsgrad=plan.rule.amsgrad,
     per_row=per_row,
   )
-  return RowsStep(rows, delta, _new_tables(inputs, mu, nu, nu_max, row_step, last_step))
+  return RowsStep(rows, delta, _new_tables(inputs, mu, nu, nu_max, new_row_step, last_step))
 
 
 _DECAY_CODES = {"none": 0, "l2": 1, "decoupled": 2}
 
 
 def rowwise_adam_step(inputs: StepInputs, plan: StepPlan) -> RowsStep:
-  """The row-wise Adam step, with weight decay, amsgrad and per-row steps: one FFI call."""
+  """The row-wise Adam step, with weight decay, amsgrad and per-row steps: one FFI call
+  (with per-row steps, after `_entry_step_counts`'s)."""
   assert isinstance(plan.rule, RowwiseAdamRule)
   f32 = jnp.float32
   config, hyper = plan.config, inputs.hyper
@@ -230,23 +241,23 @@ def rowwise_adam_step(inputs: StepInputs, plan: StepPlan) -> RowsStep:
   per_row = inputs.tables.row_step is not None
   # The same function, so the same bits, as the rule's own bias corrections.
   lr_over_bc1, inv_bc2 = bias_corrections(hyper, inputs.step, f32)
-  entry_scales = entry_steps = None
+  entry_scales = new_row_step = None
   if per_row:
-    entry_steps, counts = _entry_step_counts(inputs)
+    counts, new_row_step = _entry_step_counts(inputs)
     entry_scales = jnp.stack(bias_corrections(hyper, counts, f32), 1)
   inv_row_size = inverse_row_size(math.prod(plan.layout.dense_shape), f32)
   coefficients = [lr_over_bc1, inv_bc2, inv_row_size, _decay_coefficient(inputs, plan)]
-  rows, delta, mu, nu, nu_max, row_step = _fused_call(
+  rows, delta, mu, nu, nu_max = _fused_call(
     FUSED_ROWWISE_ADAM,
     inputs,
     plan,
     coefficients,
-    _option_arrays(inputs, plan, entry_scales, entry_steps),
+    _option_arrays(inputs, plan, entry_scales),
     decay=_DECAY_CODES[config.weight_decay],
     amsgrad=plan.rule.amsgrad,
     per_row=per_row,
   )
-  return RowsStep(rows, delta, _new_tables(inputs, mu, nu, nu_max, row_step))
+  return RowsStep(rows, delta, _new_tables(inputs, mu, nu, nu_max, new_row_step))
 
 
 def _fused_call(
@@ -268,7 +279,7 @@ def _fused_call(
   attributes `num_rows`, `maximize`, `stochastic` and `attributes`. Tables come
   in their own shapes (a reshape would make XLA copy an operand the kernel
   updates in place). Returns the distinct rows then padding, their deltas, the
-  new `mu` and `nu` (float32 or bfloat16), then the new `nu_max` and row steps
+  new `mu` and `nu` (float32 or bfloat16), then the new `nu_max`
   (with options) and the new `updated` arrays, each aliased to its operand (in
   place when donated).
   """
@@ -285,7 +296,7 @@ def _fused_call(
   ]
   written = [(2, mu), (3, nu)]
   if options is not None:
-    written += [(len(args) + 1, options.nu_max), (len(args) + 2, options.row_step)]
+    written += [(len(args) + 1, options.nu_max)]
     args += list(options)
   written += [(len(args) + i, x) for i, x in enumerate(updated)]
   args += [*updated, *read]

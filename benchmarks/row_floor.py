@@ -1,0 +1,50 @@
+"""The rows' share of each option's step: the kernels' row loops alone, compiled and timed.
+
+Builds `benchmarks/row_floor.cc` (the kernels' own `AdamRow`, `AddRow` and
+prefetch, included from kernels.cc, with the flags setup.py gives them) and runs
+it: for the default step and each option (weight decay, amsgrad, per-row steps,
+all three), the step kernel's row loop and the scatter-add over B distinct random
+rows of V-row tables, on one thread, options interleaved round by round. The
+ratios are what the rows alone cost against the default's: a whole step, which
+adds fixed costs (dispatch, the sort, XLA ops), has smaller ratios, never below
+what its rows need more than the default's (docs/performance, "Where the options'
+extra time went"). Needs a C++17 compiler (`CXX`, default g++).
+
+Run from the repository root (seconds; V x D x 4 bytes x 4 tables of memory):
+
+  python -m benchmarks.row_floor
+  python -m benchmarks.row_floor --vocab 4000000 --rounds 100
+"""
+
+import argparse
+import os
+import subprocess
+import tempfile
+from pathlib import Path
+
+import jax.ffi
+
+_SOURCE = Path(__file__).with_name("row_floor.cc")
+
+
+def main(argv=None) -> None:
+  parser = argparse.ArgumentParser(
+    description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+  )
+  parser.add_argument("--vocab", type=int, default=1_000_000, help="rows V")
+  parser.add_argument("--dim", type=int, default=64, help="row width D")
+  parser.add_argument("--batch", type=int, default=4096, help="distinct rows B a step")
+  parser.add_argument("--rounds", type=int, default=200, help="interleaved rounds")
+  args = parser.parse_args(argv)
+  with tempfile.TemporaryDirectory() as tmp:
+    binary = Path(tmp) / "row_floor"
+    compiler = os.environ.get("CXX", "g++")
+    flags = ["-std=c++17", "-O3", "-ffp-contract=off", "-fno-math-errno", "-w"]
+    include = ["-I", jax.ffi.include_dir()]
+    subprocess.run([compiler, *flags, *include, str(_SOURCE), "-o", str(binary)], check=True)
+    sizes = [args.vocab, args.dim, args.batch, args.rounds]
+    subprocess.run([str(binary), *map(str, sizes)], check=True)
+
+
+if __name__ == "__main__":
+  main()
