@@ -238,7 +238,7 @@ enum Decay : int { kNoDecay = 0, kL2 = 1, kDecoupled = 2 };
 
 // What the pipeline does around the rule for one row (`xla.masked_step`): weight
 // decay (`decay`: wd for L2, lr * wd decoupled; the row of the parameter `p`),
-// the catch-up of its idle steps (`catch_up.idle_rows`: the moments' decay
+// the catch-up of its idle steps (`row_rules.adam.idle_rows`: the moments' decay
 // `pow_b1`, `pow_b2`, the discharge's `by_b1` and `by_r`, AdamW's
 // `decay_minus_one` = d^k - 1).
 struct RowExtras {
@@ -548,7 +548,7 @@ ffi::Error FusedAdamImpl(ffi::Buffer<ffi::S32> rows, ffi::Buffer<ffi::F32> value
 }
 
 // Catch-up of idle rows (`_core/catch_up.py`) in float32, operation for
-// operation as `catch_up.idle_rows` computes it in XLA; the step's constants
+// operation as `row_rules.adam.idle_rows` computes it in XLA; the step's constants
 // come computed by XLA (kernels.py), the per-row values (powers, decayed sums,
 // step sizes at the windows' centroids) are computed here with the C library's
 // exp and expm1, which may differ from XLA's in the last bit.

@@ -141,7 +141,7 @@ def _new_tables(inputs: StepInputs, mu, nu, nu_max, row_step, last_step=None) ->
 
 
 def _catch_up_coefficients(inputs: StepInputs, plan: StepPlan) -> list[Any]:
-  """`lr * wd`, then the constants of `catch_up.idle_rows` as XLA computes them (float32)."""
+  """`lr * wd`, then the constants of `row_rules.adam.idle_rows` as XLA computes them (float32)."""
   f32 = jnp.float32
   hyper = inputs.hyper
 
@@ -151,7 +151,7 @@ def _catch_up_coefficients(inputs: StepInputs, plan: StepPlan) -> list[Any]:
   decoupled = plan.config.weight_decay == "decoupled"
   lr_wd = c(hyper.learning_rate) * c(hyper.weight_decay) if decoupled else c(0.0)
   log_b1, log_b2 = c(hyper.log_b1), c(hyper.log_b2)
-  # The idle steps take their own rate (a schedule's at count - 1), as catch_up.idle_rows.
+  # The idle steps take their own rate (a schedule's at count - 1), as row_rules.adam.idle_rows.
   idle = hyper.for_idle_steps()
   log_d = jnp.log1p(-c(idle.learning_rate) * c(idle.weight_decay)) if decoupled else c(0.0)
 
@@ -218,7 +218,7 @@ def _adam_options_step(inputs: StepInputs, plan: StepPlan) -> RowsStep:
     read=(step.astype(i32),),
     decoupled=config.weight_decay == "decoupled",
     catch_up=catch_up,
-    # catch_up.idle_rows divides by sqrt(v) + eps unguarded only for a Python eps > 0.
+    # row_rules.adam.idle_rows divides by sqrt(v) + eps unguarded only for a Python eps > 0.
     guard_eps=not (is_python_number(hyper.eps) and hyper.eps > 0),
     given_step_size=hyper.step_size is not None,
     l2=config.weight_decay == "l2",
