@@ -6,7 +6,8 @@ values from a gradient with B Zipf-drawn ids (popular rows repeat):
 - each optax transformation's `update` + `apply_updates` in one `jax.jit` step,
   params and state donated: `sparse_adam` (the fused CPU kernels, and the XLA
   ops), `sparse_adam(rowwise_second_moment=True)`, `sparse_sgd`, `sparse_adagrad`,
-  `sparse_rowwise_adagrad` (the last three run the XLA ops on the CPU: no kernel);
+  `sparse_rowwise_adagrad` (with a recipe's options: lazy momentum; decoupled
+  weight decay and `max_norm`), each with the CPU kernel and with the XLA ops;
 - torch.optim.SGD, Adagrad and SparseAdam `.step()` on the same sparse gradients
   (if torch is installed).
 
@@ -59,6 +60,53 @@ def _time_torch(make, ids, values, num_rows, *, steps, repeats):
     return c.best_step_time(run, steps, repeats)
 
 
+# The new rules, each with the options a recipe sets (timed with the kernel and with the XLA ops).
+RULES = [
+  ("sparse_sgd", osa.sparse_sgd(1e-3)),
+  ("sparse_sgd lazy momentum", osa.sparse_sgd(1e-3, momentum=0.9, lazy_momentum=True)),
+  ("sparse_adagrad", osa.sparse_adagrad(1e-2)),
+  ("sparse_rowwise_adagrad", osa.sparse_rowwise_adagrad(1e-2)),
+  (
+    "sparse_rowwise_adagrad decoupled, max_norm",
+    osa.sparse_rowwise_adagrad(
+      1e-2, weight_decay=1e-4, weight_decay_mode="decoupled", max_norm=1.0
+    ),
+  ),
+]
+
+
+def time_rules(ids, values, num_rows, *, steps, repeats, use_torch=True):
+  """`(name, seconds)` of every rule's step (kernels and XLA ops), then torch's optimizers."""
+  timing = {"steps": steps, "repeats": repeats}
+  rows = [
+    ("sparse_adam (CPU kernels)", osa.sparse_adam(1e-3), True),
+    ("sparse_adam (XLA ops)", osa.sparse_adam(1e-3), False),
+    ("sparse_adam rowwise (CPU kernels)", osa.sparse_adam(1e-3, rowwise_second_moment=True), True),
+  ]
+  for name, opt in RULES:
+    rows += [(f"{name} (CPU kernels)", opt, True), (f"{name} (XLA ops)", opt, False)]
+  results = []
+  for name, opt, kernels in rows:
+    seconds = _time_osa(opt, ids, values, num_rows, cpu_kernels=kernels, **timing)
+    results.append((name, seconds))
+  if use_torch and c.torch is not None:
+    optim = c.torch.optim
+    for name, make in (
+      ("torch.optim.SGD", lambda p: optim.SGD(p, lr=1e-3)),
+      ("torch.optim.Adagrad", lambda p: optim.Adagrad(p, lr=1e-2)),
+      ("torch.optim.SparseAdam", lambda p: optim.SparseAdam(p, lr=1e-3)),
+    ):
+      results.append((name, _time_torch(make, ids, values, num_rows, **timing)))
+  return results
+
+
+def print_ratios(results) -> None:
+  """Each step's time and its ratio to the first (the `sparse_adam` kernel step)."""
+  baseline = results[0][1]
+  for name, seconds in results:
+    print(f"  {name:56s} {c.ms(seconds):>10s}   {seconds / baseline:5.2f}x the Adam kernel step")
+
+
 def main(argv=None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--vocab", type=int, default=1_000_000, help="rows V")
@@ -72,33 +120,9 @@ def main(argv=None) -> None:
     args.vocab, args.steps = 100_000, 10
   ids = c.id_batches("zipf", args.vocab, args.batch)
   values = c.grad_values(args.batch, args.dim)
-  timing = {"steps": args.steps, "repeats": args.repeats}
   print(f"{c.machine()}; V={args.vocab:,} D={args.dim} B={args.batch} (Zipf ids)")
   print(f"jax {jax.__version__}, CPU kernels available: {osa.cpu_kernels_available()}")
-
-  rows = [
-    ("sparse_adam (CPU kernels)", osa.sparse_adam(1e-3), True),
-    ("sparse_adam (XLA ops)", osa.sparse_adam(1e-3), False),
-    ("sparse_adam rowwise (CPU kernels)", osa.sparse_adam(1e-3, rowwise_second_moment=True), True),
-    ("sparse_sgd (XLA ops)", osa.sparse_sgd(1e-3), True),
-    ("sparse_adagrad (XLA ops)", osa.sparse_adagrad(1e-2), True),
-    ("sparse_rowwise_adagrad (XLA ops)", osa.sparse_rowwise_adagrad(1e-2), True),
-  ]
-  results = []
-  for name, opt, kernels in rows:
-    seconds = _time_osa(opt, ids, values, args.vocab, cpu_kernels=kernels, **timing)
-    results.append((name, seconds))
-  if c.torch is not None:
-    optim = c.torch.optim
-    for name, make in (
-      ("torch.optim.SGD", lambda p: optim.SGD(p, lr=1e-3)),
-      ("torch.optim.Adagrad", lambda p: optim.Adagrad(p, lr=1e-2)),
-      ("torch.optim.SparseAdam", lambda p: optim.SparseAdam(p, lr=1e-3)),
-    ):
-      results.append((name, _time_torch(make, ids, values, args.vocab, **timing)))
-  baseline = results[0][1]
-  for name, seconds in results:
-    print(f"  {name:36s} {c.ms(seconds):>10s}   {seconds / baseline:5.2f}x the Adam kernel step")
+  print_ratios(time_rules(ids, values, args.vocab, steps=args.steps, repeats=args.repeats))
 
 
 if __name__ == "__main__":
