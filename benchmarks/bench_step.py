@@ -137,7 +137,11 @@ def main(argv=None) -> None:
   if not args.no_rules:
     print(f"## Every rule beside torch's (Zipf ids, V={v:,}), ratios to the Adam kernel step\n")
     ids, values = c.id_batches("zipf", v, b), c.grad_values(b, d)
-    bench_rules.print_ratios(bench_rules.time_rules(ids, values, v, use_torch=use_torch, **timing))
+    rounds = max(args.repeats, 3)
+    print(f"median (range) of {rounds} interleaved rounds of {args.steps} steps each")
+    bench_rules.print_ratios(
+      bench_rules.time_rules(ids, values, v, steps=args.steps, rounds=rounds, use_torch=use_torch)
+    )
     print()
 
   if args.sweep:

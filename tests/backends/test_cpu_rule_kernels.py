@@ -155,3 +155,30 @@ def test_adagrad_without_a_step_count_or_step_size_keeps_the_xla_ops():
     given._replace(step=jnp.array(1), hyper=AdagradHyperparams(0.1)), plan
   )
   assert not kernels.step_applies(given._replace(hyper=AdagradHyperparams(0.1)), plan)
+
+
+def _adagrad_step_text(**export):
+  opt = osa.sparse_adagrad(0.1)
+  params = {"w": jnp.zeros((50, 8), jnp.float32)}
+  grads = {
+    "w": jax.experimental.sparse.BCOO.fromdense(jnp.zeros((50, 8)).at[3].set(1.0), n_dense=1)
+  }
+  step = jax.jit(_step(opt))
+  if not export:
+    return step.lower(params, opt.init(params), grads).compile().as_text()
+  # The kernels' targets promise no serialization compatibility: allowed here, to be seen.
+  targets = (rule_steps.RULE_STEP, kernels._SCATTER_ADD_ROWS)
+  allow = [jax.export.DisabledSafetyCheck.custom_call(t) for t in targets]
+  exported = jax.export.export(step, disabled_checks=allow, **export)
+  return exported(params, opt.init(params), grads).mlir_module()
+
+
+def test_the_kernel_is_chosen_by_backend_and_left_where_the_library_is_missing(monkeypatch):
+  """Lowered for the CPU the step calls the kernel; for a GPU or TPU, and on a CPU whose
+  build lacks the library, it runs the XLA ops."""
+  assert rule_steps.RULE_STEP in _adagrad_step_text(platforms=["cpu"])
+  for platform in ("cuda", "tpu"):
+    text = _adagrad_step_text(platforms=[platform])
+    assert rule_steps.RULE_STEP not in text and "scatter" in text
+  monkeypatch.setattr(kernels, "available", lambda: False)
+  assert rule_steps.RULE_STEP not in _adagrad_step_text()
