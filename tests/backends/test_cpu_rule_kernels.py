@@ -24,7 +24,8 @@ from optax_sparse_adam._core.bcoo import RowLayout
 from optax_sparse_adam._core.row_rules.adagrad import AdagradHyperparams, AdagradRule
 from optax_sparse_adam._core.rules import StepConfig, StepInputs, StepPlan, Tables
 from tests._helpers import cpu_only
-from tests.backends.test_cpu_kernel_options import SHAPE, _assert_same_bits, _batches, _step
+from tests.backends import test_cpu_kernel_options as adam_options
+from tests.backends.test_cpu_kernel_options import SHAPE, _assert_same_bits, _step
 
 pytestmark = [
   cpu_only("the fused CPU kernels run, and equal the XLA ops bit for bit,"),
@@ -99,22 +100,11 @@ EAGER = ["sgd_momentum_decoupled_max_norm_bf16_stochastic"]
 EAGER_SLOW = ["adagrad_lr_decay_initial_eps", "rowwise_adagrad_decoupled_max_norm"]
 
 
-def _train(name, *, use_jit, cpu_kernels):
-  """The steps' params, state and updates, and the compiled text of the jitted step."""
-  opt = OPTIONS[name]()
-  params = {"w": jnp.asarray(np.random.default_rng(0).standard_normal(SHAPE), jnp.float32)}
-  state = opt.init(params)
-  step = jax.jit(_step(opt), donate_argnums=(0, 1)) if use_jit else _step(opt)
-  out, text = [], None
-  with kernels.use_cpu_kernels(cpu_kernels):
-    for idx, val in _batches():
-      grads = {"w": jax.experimental.sparse.BCOO((jnp.asarray(val), jnp.asarray(idx)), shape=SHAPE)}
-      if use_jit and text is None:
-        text = step.lower(params, state, grads).compile().as_text()
-      params, state, update = step(params, state, grads)
-      # Copied now: the next step is given (donates) these params and state.
-      out.append(jax.device_get((params, state, update["w"].data, update["w"].indices)))
-  return out, text
+def _train(name, *, use_jit, cpu_kernels, monkeypatch):
+  """`test_cpu_kernel_options._train` (the steps' params, state, updates and the compiled
+  text of the jitted step) of the optimizer named here."""
+  monkeypatch.setattr(adam_options, "_opt", lambda name: OPTIONS[name]())
+  return adam_options._train(name, use_jit=use_jit, cpu_kernels=cpu_kernels)
 
 
 CASES = [
@@ -130,9 +120,9 @@ def _case_id(case):
 
 
 @pytest.mark.parametrize("name,use_jit", CASES, ids=[_case_id(case) for case in CASES])
-def test_rules_on_the_kernel_equal_the_xla_ops_bit_for_bit(name, use_jit):
-  with_kernel, text = _train(name, use_jit=use_jit, cpu_kernels=True)
-  with_xla, xla_text = _train(name, use_jit=use_jit, cpu_kernels=False)
+def test_rules_on_the_kernel_equal_the_xla_ops_bit_for_bit(name, use_jit, monkeypatch):
+  with_kernel, text = _train(name, use_jit=use_jit, cpu_kernels=True, monkeypatch=monkeypatch)
+  with_xla, xla_text = _train(name, use_jit=use_jit, cpu_kernels=False, monkeypatch=monkeypatch)
   _assert_same_bits(with_kernel, with_xla)
   if use_jit:
     # The compiled step runs the kernel, with the options among its attributes.
