@@ -12,7 +12,12 @@ setup(
   ext_modules=[
     Extension(
       "optax_sparse_adam._backends.cpu._kernels",
-      sources=["optax_sparse_adam/_backends/cpu/kernels.cc"],
+      sources=[
+        "optax_sparse_adam/_backends/cpu/kernels.cc",
+        "optax_sparse_adam/_backends/cpu/rule_kernels.cc",
+      ],
+      # Shared by both sources; listed so that the sdist carries it and edits rebuild.
+      depends=["optax_sparse_adam/_backends/cpu/ffi_common.h"],
       include_dirs=[jax.ffi.include_dir()],
       language="c++",
       # -ffp-contract=off: no FMA, every product rounded, as in XLA and torch.

@@ -29,6 +29,11 @@ changed = sorted({int(r) for r in jnp.nonzero(params["table"])[0]})
 assert changed == [3], changed  # only the touched row moved, by -lr
 assert jnp.allclose(params["table"][3], -0.1), params["table"][3]
 
+# A rule of the generic transformation too (on the CPU, rule_kernels.cc's kernel where built).
+adagrad = osa.sparse_adagrad(0.1)
+updates, _ = adagrad.update({"table": grad}, adagrad.init(params), params)
+assert jnp.allclose(updates["table"].data, -0.1), updates["table"].data  # -lr * g / sqrt(g^2)
+
 require_kernels = "--require-cpu-kernels" in sys.argv
 if require_kernels:
   assert osa.cpu_kernels_available(), "the CPU kernels were not built into the wheel"

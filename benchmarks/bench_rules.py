@@ -6,20 +6,24 @@ values from a gradient with B Zipf-drawn ids (popular rows repeat):
 - each optax transformation's `update` + `apply_updates` in one `jax.jit` step,
   params and state donated: `sparse_adam` (the fused CPU kernels, and the XLA
   ops), `sparse_adam(rowwise_second_moment=True)`, `sparse_sgd`, `sparse_adagrad`,
-  `sparse_rowwise_adagrad` (the last three run the XLA ops on the CPU: no kernel);
+  `sparse_rowwise_adagrad` (with a recipe's options: lazy momentum; decoupled
+  weight decay and `max_norm`), each with the CPU kernel and with the XLA ops;
 - torch.optim.SGD, Adagrad and SparseAdam `.step()` on the same sparse gradients
   (if torch is installed).
 
-Every figure is printed with its ratio to the `sparse_adam` kernel step of the same
-run; on a shared machine compare the ratios, not the absolute times.
+Each is timed against the `sparse_adam` kernel step in interleaved rounds (one
+run of `--steps` steps of the Adam step, then one of the other), so load from
+other processes hits both alike; printed is the median (and range) over rounds of
+the per-round ratio. On a shared machine compare the ratios, not absolute times.
 
 Run from the repository root:
 
   python -m benchmarks.bench_rules            # V = 1M, D = 64, B = 4096
-  python -m benchmarks.bench_rules --quick    # V = 100k, fewer steps
+  python -m benchmarks.bench_rules --quick    # V = 100k, fewer steps and rounds
 """
 
 import argparse
+import time
 
 import jax
 import jax.numpy as jnp
@@ -27,36 +31,77 @@ from jax.experimental import sparse
 
 import optax_sparse_adam as osa
 from benchmarks import _common as c
+from benchmarks.bench_options import _ratios, _Stepper, _summary
+
+# The new rules, each with the options a recipe sets (timed with the kernel and with the XLA ops).
+RULES = [
+  ("sparse_sgd", osa.sparse_sgd(1e-3)),
+  ("sparse_sgd lazy momentum", osa.sparse_sgd(1e-3, momentum=0.9, lazy_momentum=True)),
+  ("sparse_adagrad", osa.sparse_adagrad(1e-2)),
+  ("sparse_rowwise_adagrad", osa.sparse_rowwise_adagrad(1e-2)),
+  (
+    "sparse_rowwise_adagrad decoupled, max_norm",
+    osa.sparse_rowwise_adagrad(
+      1e-2, weight_decay=1e-4, weight_decay_mode="decoupled", max_norm=1.0
+    ),
+  ),
+]
 
 
-def _time_osa(opt, ids, values, num_rows, *, steps, repeats, cpu_kernels=True):
+class _TorchStepper:
+  """A torch optimizer's steps on the same sparse gradients, `n` at a time."""
+
+  def __init__(self, make, ids, values, num_rows):
+    torch = c.torch
+    self.param = torch.nn.Parameter(torch.zeros(num_rows, values[0].shape[1]))
+    self.run = c.torch_sparse_steps(self.param, make([self.param]), ids, values)
+
+  def seconds_per_step(self, n: int) -> float:
+    torch = c.torch
+    # torch's sparse Adagrad builds sparse tensors without saying whether to check them.
+    with torch.no_grad(), torch.sparse.check_sparse_tensor_invariants(enable=False):
+      start = time.perf_counter()
+      self.run(n)
+      return (time.perf_counter() - start) / n
+
+
+def time_rules(ids, values, num_rows, *, steps, rounds, use_torch=True):
+  """`(name, ratios)`: each step's per-round ratios to the `sparse_adam` kernel step."""
   dim = values[0].shape[1]
   grads = [
-    {"t": sparse.BCOO((jnp.asarray(v), jnp.asarray(i)[:, None]), shape=(num_rows, dim))}
+    {"table": sparse.BCOO((jnp.asarray(v), jnp.asarray(i)[:, None]), shape=(num_rows, dim))}
     for i, v in zip(ids, values, strict=True)
   ]
-  params = {"t": jnp.zeros((num_rows, dim), jnp.float32)}
-  with osa.use_cpu_kernels(cpu_kernels):
-    return c.time_jitted_steps(
-      c.sparse_step(opt),
-      params,
-      opt.init(params),
-      grads,
-      donate=True,
-      steps=steps,
-      repeats=repeats,
-    )
+  rows = [
+    ("sparse_adam (XLA ops)", osa.sparse_adam(1e-3), False),
+    ("sparse_adam rowwise (CPU kernels)", osa.sparse_adam(1e-3, rowwise_second_moment=True), True),
+  ]
+  for name, opt in RULES:
+    rows += [(f"{name} (CPU kernels)", opt, True), (f"{name} (XLA ops)", opt, False)]
+  default = _Stepper(osa.sparse_adam(1e-3), num_rows, grads)
+  results = [("sparse_adam (CPU kernels)", [1.0])]
+  for name, opt, kernels in rows:
+    # One option's tables at a time next to the default's.
+    stepper = _Stepper(opt, num_rows, grads, cpu_kernels=kernels)
+    results.append((name, _ratios(stepper, default, rounds=rounds, steps=steps)))
+    del stepper
+  if use_torch and c.torch is not None:
+    optim = c.torch.optim
+    for name, make in (
+      ("torch.optim.SGD", lambda p: optim.SGD(p, lr=1e-3)),
+      ("torch.optim.Adagrad", lambda p: optim.Adagrad(p, lr=1e-2)),
+      ("torch.optim.SparseAdam", lambda p: optim.SparseAdam(p, lr=1e-3)),
+    ):
+      stepper = _TorchStepper(make, ids, values, num_rows)
+      results.append((name, _ratios(stepper, default, rounds=rounds, steps=steps)))
+      del stepper
+  return results
 
 
-def _time_torch(make, ids, values, num_rows, *, steps, repeats):
-  torch = c.torch
-  dim = values[0].shape[1]
-  param = torch.nn.Parameter(torch.zeros(num_rows, dim))
-  run = c.torch_sparse_steps(param, make([param]), ids, values)
-
-  # torch's sparse Adagrad builds sparse tensors without saying whether to check them.
-  with torch.no_grad(), torch.sparse.check_sparse_tensor_invariants(enable=False):
-    return c.best_step_time(run, steps, repeats)
+def print_ratios(results) -> None:
+  """Each step's median (range) ratio to the `sparse_adam` kernel step."""
+  for name, ratios in results:
+    print(f"  {name:56s} {_summary(ratios):>20s}  x the Adam kernel step")
 
 
 def main(argv=None) -> None:
@@ -65,40 +110,17 @@ def main(argv=None) -> None:
   parser.add_argument("--dim", type=int, default=64, help="row width D")
   parser.add_argument("--batch", type=int, default=4096, help="ids B per gradient")
   parser.add_argument("--steps", type=int, default=20, help="steps per timed run")
-  parser.add_argument("--repeats", type=int, default=3, help="timed runs; the fastest counts")
-  parser.add_argument("--quick", action="store_true", help="V = 100k, 10 steps")
+  parser.add_argument("--rounds", type=int, default=7, help="interleaved rounds per step")
+  parser.add_argument("--quick", action="store_true", help="V = 100k, 10 steps, 3 rounds")
   args = parser.parse_args(argv)
   if args.quick:
-    args.vocab, args.steps = 100_000, 10
+    args.vocab, args.steps, args.rounds = 100_000, 10, 3
   ids = c.id_batches("zipf", args.vocab, args.batch)
   values = c.grad_values(args.batch, args.dim)
-  timing = {"steps": args.steps, "repeats": args.repeats}
   print(f"{c.machine()}; V={args.vocab:,} D={args.dim} B={args.batch} (Zipf ids)")
   print(f"jax {jax.__version__}, CPU kernels available: {osa.cpu_kernels_available()}")
-
-  rows = [
-    ("sparse_adam (CPU kernels)", osa.sparse_adam(1e-3), True),
-    ("sparse_adam (XLA ops)", osa.sparse_adam(1e-3), False),
-    ("sparse_adam rowwise (CPU kernels)", osa.sparse_adam(1e-3, rowwise_second_moment=True), True),
-    ("sparse_sgd (XLA ops)", osa.sparse_sgd(1e-3), True),
-    ("sparse_adagrad (XLA ops)", osa.sparse_adagrad(1e-2), True),
-    ("sparse_rowwise_adagrad (XLA ops)", osa.sparse_rowwise_adagrad(1e-2), True),
-  ]
-  results = []
-  for name, opt, kernels in rows:
-    seconds = _time_osa(opt, ids, values, args.vocab, cpu_kernels=kernels, **timing)
-    results.append((name, seconds))
-  if c.torch is not None:
-    optim = c.torch.optim
-    for name, make in (
-      ("torch.optim.SGD", lambda p: optim.SGD(p, lr=1e-3)),
-      ("torch.optim.Adagrad", lambda p: optim.Adagrad(p, lr=1e-2)),
-      ("torch.optim.SparseAdam", lambda p: optim.SparseAdam(p, lr=1e-3)),
-    ):
-      results.append((name, _time_torch(make, ids, values, args.vocab, **timing)))
-  baseline = results[0][1]
-  for name, seconds in results:
-    print(f"  {name:36s} {c.ms(seconds):>10s}   {seconds / baseline:5.2f}x the Adam kernel step")
+  print(f"median (range) of {args.rounds} interleaved rounds of {args.steps} steps each")
+  print_ratios(time_rules(ids, values, args.vocab, steps=args.steps, rounds=args.rounds))
 
 
 if __name__ == "__main__":

@@ -13,7 +13,10 @@ or uniformly:
 - optax.adam + optax.apply_updates on the equivalent dense V x D gradient;
 - torch.optim.SparseAdam.step (if torch is installed) on the same gradient;
 - the memory floor: one contiguous copy of the bytes the masked step must read
-  and write (the touched rows of the parameter, m and v).
+  and write (the touched rows of the parameter, m and v);
+- every rule's step (`sparse_sgd`, `sparse_adagrad`, `sparse_rowwise_adagrad`,
+  with the CPU kernel and the XLA ops) beside torch.optim.SGD, Adagrad and
+  SparseAdam, as ratios to the `sparse_adam` kernel step (`bench_rules`).
 
 Then the sparse_adam and torch steps at several table sizes V, same B, to show
 the cost does not grow with V, with 4 KiB pages and with the tables on
@@ -30,6 +33,7 @@ Run from the repository root:
 import argparse
 
 from benchmarks import _common as c
+from benchmarks import bench_rules
 
 
 def main(argv=None) -> None:
@@ -50,6 +54,9 @@ def main(argv=None) -> None:
   parser.add_argument("--repeats", type=int, default=3, help="timed runs; the fastest counts")
   parser.add_argument("--no-torch", action="store_true", help="skip torch.optim.SparseAdam")
   parser.add_argument("--no-dense", action="store_true", help="skip dense optax.adam")
+  parser.add_argument(
+    "--no-rules", action="store_true", help="skip every rule beside torch's SGD/Adagrad/SparseAdam"
+  )
   parser.add_argument(
     "--bf16-moments", action="store_true", help="also time mu_dtype=nu_dtype=bfloat16"
   )
@@ -126,6 +133,16 @@ def main(argv=None) -> None:
   print("Targets (issue 6): torch / ours >= 3 on both id streams; ours / floor <= 4.")
   print(f"CPU kernels: {'built and used' if c.cpu_kernels_used() else 'not used (XLA ops)'}.")
   print("Without donation XLA copies param, m and v whole every step: donate them.\n")
+
+  if not args.no_rules:
+    print(f"## Every rule beside torch's (Zipf ids, V={v:,}), ratios to the Adam kernel step\n")
+    ids, values = c.id_batches("zipf", v, b), c.grad_values(b, d)
+    rounds = max(args.repeats, 3)
+    print(f"median (range) of {rounds} interleaved rounds of {args.steps} steps each")
+    bench_rules.print_ratios(
+      bench_rules.time_rules(ids, values, v, steps=args.steps, rounds=rounds, use_torch=use_torch)
+    )
+    print()
 
   if args.sweep:
     for huge_pages in (False, True):

@@ -44,8 +44,7 @@ def masked_step(inputs: StepInputs, plan: StepPlan) -> RowsStep:
     return call
 
   generic = bound(xla.masked_step)
-  # The kernels know no renormalisation after the step (max_norm): the XLA ops do it.
-  fused = kernels.step_applies(inputs, plan) and plan.config.max_norm is None
+  fused = kernels.step_applies(inputs, plan)
   on_cpu = bound(kernels.masked_step) if fused else generic
   return _by_backend(
     (inputs._replace(hyper=None), [leaves[i] for i in traced]),

@@ -12,6 +12,7 @@ import optax
 
 from optax_sparse_adam._core import bcoo, coalesce, rounding
 from optax_sparse_adam._core.row_rules.adam import rounded
+from optax_sparse_adam._core.row_rules.rowwise_adam import pairwise_row_sum
 from optax_sparse_adam._core.rules import (
   IdleBlock,
   RowBlock,
@@ -135,7 +136,7 @@ def masked_step(
     delta = delta + shift
   if config.max_norm is not None:
     assert param_rows is not None
-    delta = _renormalised(param_rows, delta, config.max_norm)
+    delta = _renormalised(param_rows, delta, config.max_norm, inputs.opaque_zero)
   valid = rows < layout.num_rows
   delta = jnp.where(
     valid.reshape(valid.shape + (1,) * len(layout.dense_shape)),
@@ -152,18 +153,23 @@ def masked_step(
   return RowsStep(rows, delta, Tables(new_slots, row_step, last_step=last_step))
 
 
-def _renormalised(param_rows: jax.Array, delta: jax.Array, max_norm: float) -> jax.Array:
+def _renormalised(
+  param_rows: jax.Array, delta: jax.Array, max_norm: float, opaque_zero: jax.Array | None
+) -> jax.Array:
   """The delta that leaves each row at `p + delta` scaled to norm `max_norm` where it is above.
 
   FBGEMM's `max_norm`: after the step, a row whose L2 norm exceeds it is
   multiplied by `max_norm / norm` (to an ulp of FBGEMM's, which stores the
-  scaled row, where the apply adds the difference).
+  scaled row, where the apply adds the difference). The squares are summed in
+  `pairwise_row_sum`'s fixed order and the products rounded where they stand
+  (`rounded`), as the CPU kernel (rule_kernels.cc) computes them.
   """
   new = param_rows + delta
-  axes = tuple(range(1, new.ndim))
-  norm = jnp.sqrt(jnp.sum(new * new, axis=axes, keepdims=True))
+  n = new.shape[0]
+  squares = rounded(new * new, opaque_zero).reshape(n, -1)
+  norm = jnp.sqrt(pairwise_row_sum(squares)).reshape((n,) + (1,) * (new.ndim - 1))
   scale = jnp.where(norm > max_norm, jnp.asarray(max_norm, new.dtype) / norm, 1)
-  return jnp.where(norm > max_norm, new * scale - param_rows, delta)
+  return jnp.where(norm > max_norm, rounded(new * scale, opaque_zero) - param_rows, delta)
 
 
 def _present(x: jax.Array | None) -> jax.Array:

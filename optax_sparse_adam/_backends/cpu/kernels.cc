@@ -29,216 +29,20 @@
 #include <utility>
 #include <vector>
 
+#include "ffi_common.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
-// x86-64 Linux builds carry an x86-64-v3 clone (AVX2 and FMA) of the row loops,
-// picked at load time;
-// elsewhere the compiler's baseline ISA is used.
-#if defined(__x86_64__) && defined(__linux__) && defined(__GNUC__)
-#define OSA_MULTIVERSIONED __attribute__((target_clones("arch=x86-64-v3", "default")))
-#else
-#define OSA_MULTIVERSIONED
-#endif
-// Clang cannot clone templates; there the row templates keep the baseline ISA.
-#if defined(__clang__)
-#define OSA_MULTIVERSIONED_TEMPLATE
-#else
-#define OSA_MULTIVERSIONED_TEMPLATE OSA_MULTIVERSIONED
-#endif
-
 namespace {
-
-// Rows prefetched ahead of the one being updated: enough loads in flight to
-// hide DRAM latency on random rows, few enough to stay in L2.
-constexpr int64_t kPrefetchRows = 16;
-constexpr int64_t kBytesPerLine = 64;
-
-// Prefetches the cache line holding `p` (on x86-64 into L2, `prefetcht1`: the
-// random rows of a step are bound by the core's outstanding misses, and a
-// prefetch into L1 holds a fill buffer until its line arrives; into L2, the row
-// loops over 2 to 4 tables of 1M rows measured 20-25% faster on the 2-core VM of
-// docs/performance). An asm statement, not the builtin: GCC counts the builtin
-// as free of side effects, so a function (a lambda) that only prefetches is
-// found pure and its calls are deleted as dead before it is inlined; the Adam
-// step had lost its prefetches so.
-inline void PrefetchLine(const void* p) {
-#if defined(__GNUC__) && defined(__x86_64__)
-  asm volatile("prefetcht1 %0" : : "m"(*static_cast<const char*>(p)));
-#elif defined(__GNUC__) && defined(__aarch64__)
-  asm volatile("prfm pstl1keep, %0" : : "Q"(*static_cast<const char*>(p)));
-#else
-  __builtin_prefetch(p, 1);
-#endif
-}
-
-template <typename T>
-inline void PrefetchRow(const T* row, int64_t row_size) {
-  constexpr int64_t kPerLine = kBytesPerLine / sizeof(T);
-  for (int64_t j = 0; j < row_size; j += kPerLine) PrefetchLine(row + j);
-}
-
-// Random row accesses are bound by memory latency, so each core adds loads in
-// flight. Work below this many row values stays on the calling thread.
-constexpr int64_t kMinParallelValues = 1 << 14;
-
-// Chunks of a loop, claimed one at a time by the calling thread and by helpers
-// on XLA's intra-op pool. The caller never waits for a chunk nobody has
-// claimed, so it cannot deadlock when every pool thread is busy (with other
-// tables' kernels, say): unclaimed chunks it runs itself. Shared ownership
-// keeps the state alive for a helper that starts after the loop is over.
-struct ChunkedLoop {
-  std::function<void(int64_t)> run_chunk;
-  int64_t num_chunks = 0;
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> finished{0};
-
-  void Drain() {
-    for (int64_t c = next.fetch_add(1); c < num_chunks; c = next.fetch_add(1)) {
-      run_chunk(c);
-      finished.fetch_add(1, std::memory_order_release);
-    }
-  }
-};
-
-// Runs `run_chunk(c)` for every c in [0, num_chunks), in any order, possibly in parallel.
-void ParallelFor(ffi::ThreadPool& pool, int64_t num_chunks, int64_t work_values,
-                 std::function<void(int64_t)> run_chunk) {
-  const int64_t helpers =
-      work_values < kMinParallelValues ? 0 : std::min(pool.num_threads(), num_chunks - 1);
-  if (helpers <= 0) {
-    for (int64_t c = 0; c < num_chunks; ++c) run_chunk(c);
-    return;
-  }
-  auto loop = std::make_shared<ChunkedLoop>();
-  loop->run_chunk = std::move(run_chunk);
-  loop->num_chunks = num_chunks;
-  for (int64_t h = 0; h < helpers; ++h) pool.Schedule([loop] { loop->Drain(); });
-  loop->Drain();
-  while (loop->finished.load(std::memory_order_acquire) < num_chunks) std::this_thread::yield();
-}
-
-// Chunks per thread: enough to balance rows of uneven cost (cached or not).
-constexpr int64_t kChunksPerThread = 4;
-
-// Stable LSD radix sort of the in-range row ids, carrying each entry's position.
-// Returns the number of in-range entries; `sorted_rows[i]` and `position[i]`
-// hold them in ascending row order, ties in input order.
-int64_t SortRows(const int32_t* rows, int64_t nse, int64_t num_rows,
-                 std::vector<uint32_t>& sorted_rows, std::vector<uint32_t>& position) {
-  constexpr int kDigitBits = 11;
-  constexpr uint32_t kBuckets = 1u << kDigitBits;
-  std::vector<uint32_t> key, pos;
-  key.reserve(nse);
-  pos.reserve(nse);
-  for (int64_t i = 0; i < nse; ++i) {
-    if (rows[i] >= 0 && rows[i] < num_rows) {
-      key.push_back(static_cast<uint32_t>(rows[i]));
-      pos.push_back(static_cast<uint32_t>(i));
-    }
-  }
-  const int64_t n = static_cast<int64_t>(key.size());
-  std::vector<uint32_t> key_out(n), pos_out(n);
-  std::vector<uint32_t> count(kBuckets);
-  for (int shift = 0; shift < 32 && (static_cast<uint64_t>(num_rows - 1) >> shift) > 0;
-       shift += kDigitBits) {
-    std::fill(count.begin(), count.end(), 0u);
-    for (int64_t i = 0; i < n; ++i) ++count[(key[i] >> shift) & (kBuckets - 1)];
-    uint32_t total = 0;
-    for (uint32_t b = 0; b < kBuckets; ++b) {
-      const uint32_t c = count[b];
-      count[b] = total;
-      total += c;
-    }
-    for (int64_t i = 0; i < n; ++i) {
-      const uint32_t slot = count[(key[i] >> shift) & (kBuckets - 1)]++;
-      key_out[slot] = key[i];
-      pos_out[slot] = pos[i];
-    }
-    key.swap(key_out);
-    pos.swap(pos_out);
-  }
-  sorted_rows.swap(key);
-  position.swap(pos);
-  return n;
-}
-
-// Moments are stored as float32 or as bfloat16 (its bits in a uint16_t); the
-// arithmetic is float32 either way.
-inline float ToFloat(float x) { return x; }
-inline float ToFloat(uint16_t bits) {
-  const uint32_t word = static_cast<uint32_t>(bits) << 16;
-  float x;
-  std::memcpy(&x, &word, sizeof(x));
-  return x;
-}
-
-inline uint32_t Bits(float x) {
-  uint32_t word;
-  std::memcpy(&word, &x, sizeof(word));
-  return word;
-}
-inline float WithBits(uint32_t word) {
-  float x;
-  std::memcpy(&x, &word, sizeof(x));
-  return x;
-}
-
-// MurmurHash3's 32-bit finalizer, as `rounding.fmix32`.
-inline uint32_t Fmix32(uint32_t x) {
-  x ^= x >> 16;
-  x *= 0x85EBCA6Bu;
-  x ^= x >> 13;
-  x *= 0xC2B2AE35u;
-  return x ^ (x >> 16);
-}
-
-// The key of one row of one slot for stochastic rounding (`rounding.random_bits`).
-inline uint32_t RowKey(uint32_t slot_key, int64_t row) {
-  return Fmix32(slot_key ^ (static_cast<uint32_t>(row) * 0x85EBCA77u));
-}
-
-// Stores `x` in `*dst`'s format and returns the stored value. For bfloat16,
-// `kStochastic` rounds with the bits hashed from `row_key` and the element `j`,
-// else to nearest, ties to even. Branch-free but for the template switch, so
-// the row loops vectorize: an inf's low 16 bits are zero, so adding at most
-// 0xFFFF keeps it inf; only NaN is replaced, by the quiet NaN of its sign, as
-// XLA converts it.
-template <bool kStochastic>
-inline uint16_t Bf16Bits(float x, uint32_t row_key, int64_t j) {
-  uint32_t word;
-  std::memcpy(&word, &x, sizeof(word));
-  const uint32_t add = kStochastic
-      ? Fmix32(row_key ^ (static_cast<uint32_t>(j) * 0xC2B2AE3Du)) >> 16
-      : 0x7FFFu + ((word >> 16) & 1u);
-  const uint32_t rounded = (word + add) >> 16;
-  const uint32_t quiet_nan = ((word >> 16) & 0x8000u) | 0x7FC0u;
-  return static_cast<uint16_t>((word & 0x7FFFFFFFu) > 0x7F800000u ? quiet_nan : rounded);
-}
-template <bool kStochastic>
-inline float StoreMoment(float* dst, float x, uint32_t, int64_t) {
-  *dst = x;
-  return x;
-}
-template <bool kStochastic>
-inline float StoreMoment(uint16_t* dst, float x, uint32_t row_key, int64_t j) {
-  const uint16_t bits = Bf16Bits<kStochastic>(x, row_key, j);
-  *dst = bits;
-  return ToFloat(bits);
-}
 
 // `x` rounded to nearest in the format of `T` (`astype`), as a float.
 inline float RoundedAs(float x, const float*) { return x; }
 inline float RoundedAs(float x, const uint16_t*) { return ToFloat(Bf16Bits<false>(x, 0, 0)); }
 
-// Weight decay, as `StepConfig.weight_decay`: none, L2 (`g += wd * p`, before
-// the rule) or decoupled (`delta -= lr * wd * p`, after it).
-enum Decay : int { kNoDecay = 0, kL2 = 1, kDecoupled = 2 };
-
 // What the pipeline does around the rule for one row (`xla.masked_step`): weight
 // decay (`decay`: wd for L2, lr * wd decoupled; the row of the parameter `p`),
-// the catch-up of its idle steps (`row_rules.adam.idle_rows`: the moments' decay
+// the catch-up of its idle steps (`catch_up.idle_rows`: the moments' decay
 // `pow_b1`, `pow_b2`, the discharge's `by_b1` and `by_r`, AdamW's
 // `decay_minus_one` = d^k - 1).
 struct RowExtras {
@@ -339,19 +143,6 @@ OSA_MULTIVERSIONED_TEMPLATE void AdamRow(
   }
 }
 
-OSA_MULTIVERSIONED void AddRow(
-    float* __restrict__ dst, const float* __restrict__ src, int64_t row_size) {
-  for (int64_t j = 0; j < row_size; ++j) dst[j] += src[j];
-}
-
-// The row size of a table of `count` values viewed as `num_rows` rows (its
-// leading dims), or -1.
-int64_t RowSize(size_t count, int64_t num_rows) {
-  const int64_t n = static_cast<int64_t>(count);
-  if (num_rows <= 0 || n % num_rows != 0) return -1;
-  return n / num_rows;
-}
-
 // Runs `body(MuT{}, NuT{}, Stochastic{})` with the storage types of mu and nu
 // (float for F32, uint16_t for BF16) and `Stochastic::value == stochastic`.
 template <typename Body>
@@ -372,60 +163,6 @@ ffi::Error WithMomentTypes(ffi::DataType mu, ffi::DataType nu, bool stochastic, 
   };
   if (stochastic) return with_mu(std::true_type{});
   return with_mu(std::false_type{});
-}
-
-// Copies a table into XLA's output buffer where they differ (no donation).
-void CopyIfNotAliased(const ffi::AnyBuffer& in, ffi::Result<ffi::AnyBuffer>& out) {
-  if (out->untyped_data() != in.untyped_data()) {
-    std::memcpy(out->untyped_data(), in.untyped_data(), in.size_bytes());
-  }
-}
-
-// Coalesces a gradient's rows and runs `update(row, entry, g)` on each distinct
-// row (`entry`: the position of the row's first gradient entry).
-//
-// `g` is the row's summed gradient, written into the delta output (the update
-// turns it into the row's delta). Distinct rows are disjoint, so chunks of them
-// run in parallel. `prefetch(row)` is called a few rows ahead of each update.
-// Outputs: the distinct rows in ascending order then num_rows + slot for
-// padding slots; the deltas of those rows (zero in padding).
-template <typename Prefetch, typename Update>
-void CoalescedRowsStep(const int32_t* rows, int64_t nse, const float* values, int64_t num_rows,
-                       int64_t row_size, ffi::ThreadPool& pool, int32_t* out_rows, float* out,
-                       Prefetch prefetch, Update update) {
-  std::vector<uint32_t> sorted_rows, position;
-  const int64_t n = SortRows(rows, nse, num_rows, sorted_rows, position);
-  // Start of each run of equal rows, and the run's row.
-  std::vector<int64_t> starts;
-  starts.reserve(n + 1);
-  for (int64_t i = 0; i < n; ++i) {
-    if (i == 0 || sorted_rows[i] != sorted_rows[i - 1]) starts.push_back(i);
-  }
-  const int64_t num_unique = static_cast<int64_t>(starts.size());
-  starts.push_back(n);
-
-  const int64_t num_chunks = std::max<int64_t>(
-      1, std::min<int64_t>(num_unique, kChunksPerThread * (pool.num_threads() + 1)));
-  auto run_chunk = [&](int64_t chunk) {
-    const int64_t begin = num_unique * chunk / num_chunks;
-    const int64_t end = num_unique * (chunk + 1) / num_chunks;
-    for (int64_t s = begin; s < end; ++s) {
-      if (s + kPrefetchRows < end) prefetch(sorted_rows[starts[s + kPrefetchRows]]);
-      const int64_t row = sorted_rows[starts[s]];
-      out_rows[s] = static_cast<int32_t>(row);
-      float* g = out + s * row_size;
-      std::memset(g, 0, sizeof(float) * row_size);
-      for (int64_t e = starts[s]; e < starts[s + 1]; ++e) {
-        AddRow(g, values + static_cast<int64_t>(position[e]) * row_size, row_size);
-      }
-      update(row, static_cast<int64_t>(position[starts[s]]), g);
-    }
-  };
-  ParallelFor(pool, num_chunks, num_unique * row_size, run_chunk);
-  for (int64_t s = num_unique; s < nse; ++s) {
-    out_rows[s] = static_cast<int32_t>(num_rows + s);
-    std::memset(out + s * row_size, 0, sizeof(float) * row_size);
-  }
 }
 
 // The buffers of a fused moment step. Tables come in their own shapes (a
@@ -548,7 +285,7 @@ ffi::Error FusedAdamImpl(ffi::Buffer<ffi::S32> rows, ffi::Buffer<ffi::F32> value
 }
 
 // Catch-up of idle rows (`_core/catch_up.py`) in float32, operation for
-// operation as `row_rules.adam.idle_rows` computes it in XLA; the step's constants
+// operation as `catch_up.idle_rows` computes it in XLA; the step's constants
 // come computed by XLA (kernels.py), the per-row values (powers, decayed sums,
 // step sizes at the windows' centroids) are computed here with the C library's
 // exp and expm1, which may differ from XLA's in the last bit.
@@ -826,22 +563,6 @@ ffi::Error FusedAdamOptionsImpl(
       });
 }
 
-// The sum of a row's `row_size` values in `scratch`, added pairwise in
-// `rowwise_adam.pairwise_row_sum`'s order: halves added until one value is
-// left, an odd last value carried along. Overwrites `scratch`.
-float PairwiseSum(float* scratch, int64_t row_size) {
-  if (row_size == 0) return 0.0f;
-  int64_t width = row_size;
-  while (width > 1) {
-    const int64_t half = width / 2;
-    for (int64_t i = 0; i < half; ++i) scratch[i] = scratch[i] + scratch[half + i];
-    if (width % 2) scratch[half] = scratch[2 * half];
-    width = half + width % 2;
-  }
-  return scratch[0];
-}
-
-// The row-wise Adam arithmetic of one row, in RowwiseAdamRule.update's order:
 // `v` is the row's one second-moment value (and `vmax`, if given, its running
 // max); the delta is computed from the moments as stored. `kDecay` and `p`,
 // `decay` as in `AdamRow`.

@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 
 from optax_sparse_adam._backends import choice
-from optax_sparse_adam._backends.cpu import moment_steps
+from optax_sparse_adam._backends.cpu import moment_steps, rule_steps
 from optax_sparse_adam._core.bcoo import RowLayout
 from optax_sparse_adam._core.row_rules.adam import AdamRule
 from optax_sparse_adam._core.row_rules.rowwise_adam import (
@@ -99,6 +99,10 @@ def available() -> bool:
     jax.ffi.register_ffi_target(
       moment_steps.ENTRY_STEPS, jax.ffi.pycapsule(library.OsaEntryStepsS32), platform="cpu"
     )
+    for target, symbol in rule_steps.TARGETS.items():
+      jax.ffi.register_ffi_target(
+        target, jax.ffi.pycapsule(getattr(library, symbol)), platform="cpu"
+      )
   except (OSError, AttributeError):  # A stale or foreign build: keep the XLA path.
     return False
   return True
@@ -139,12 +143,16 @@ class KernelVariant(NamedTuple):
 
   applies: Callable[[StepInputs, StepPlan], bool]
   masked_step: Callable[[StepInputs, StepPlan], RowsStep]
+  # Renormalises to `max_norm` after the step (else the XLA ops do, where it is set).
+  max_norm: bool = False
 
 
 def step_applies(inputs: StepInputs, plan: StepPlan) -> bool:
   """Whether the rule's kernel variant computes this step (see `masked_step`)."""
   variant = _VARIANTS.get(plan.rule.name)
-  return variant is not None and variant.applies(inputs, plan)
+  if variant is None or (plan.config.max_norm is not None and not variant.max_norm):
+    return False
+  return variant.applies(inputs, plan)
 
 
 def masked_step(inputs: StepInputs, plan: StepPlan) -> RowsStep:
@@ -253,10 +261,19 @@ def _rowwise_adam_applies(inputs: StepInputs, plan: StepPlan) -> bool:
   )
 
 
+def _rule_step_applies(inputs: StepInputs, plan: StepPlan) -> bool:
+  return rule_steps.applies(inputs, plan) and _moment_step_applies(inputs, plan)
+
+
 # The rules with a fused kernel, by `RowRule.name`.
 _VARIANTS: dict[str, KernelVariant] = {
   "adam": KernelVariant(_adam_applies, moment_steps.adam_step),
   "rowwise_adam": KernelVariant(_rowwise_adam_applies, moment_steps.rowwise_adam_step),
+  # SGD, Adagrad, row-wise Adagrad: one kernel (rule_steps).
+  **{
+    name: KernelVariant(_rule_step_applies, rule_steps.masked_step, max_norm=True)
+    for name in rule_steps.RULES
+  },
 }
 
 

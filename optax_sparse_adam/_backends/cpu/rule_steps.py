@@ -1,0 +1,140 @@
+"""The FFI call of the SGD, Adagrad and row-wise Adagrad kernel (`rule_kernels.cc`), and where
+it applies.
+
+One kernel runs the rules with at most one slot: SGD (no slot, or the lazy
+`momentum_buffer`; Nesterov), Adagrad (`sum`) and row-wise Adagrad (one `sum`
+per row), with maximize, L2 or decoupled weight decay and `max_norm`. The
+step's scalars are computed here in XLA as `xla.masked_step` and the rule
+compute them (so the two paths round alike); the slot is given in its own
+shape and aliased to its output (in place when donated). `kernels.py` adds the
+checks every kernel shares (`_moment_step_applies`: dtypes, one device, the
+rounding zero for weight decay).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from optax_sparse_adam._backends.cpu import moment_steps
+from optax_sparse_adam._core import rounding
+from optax_sparse_adam._core.row_rules.adagrad import AdagradRule
+from optax_sparse_adam._core.row_rules.rowwise_adagrad import RowwiseAdagradRule
+from optax_sparse_adam._core.row_rules.rowwise_adam import inverse_row_size
+from optax_sparse_adam._core.row_rules.sgd import SGDRule
+from optax_sparse_adam._core.rules import RowsStep, StepInputs, StepPlan, Tables
+from optax_sparse_adam._core.sharded import sharding
+
+RULE_STEP = "optax_sparse_adam_rule_step_f32"
+# The FFI target's name -> the library's symbol (registered by `kernels.available`).
+TARGETS = {RULE_STEP: "OsaRuleStepF32"}
+# The rules this kernel runs, by `RowRule.name`.
+RULES = ("sgd", "adagrad", "rowwise_adagrad")
+# `RuleKind` in rule_kernels.cc.
+_SGD, _SGD_MOMENTUM, _SGD_NESTEROV, _ADAGRAD, _ROWWISE_ADAGRAD = range(5)
+_DECAY_CODES = {"none": 0, "l2": 1, "decoupled": 2}
+
+
+def _rule_code(rule: Any) -> int | None:
+  if isinstance(rule, SGDRule):
+    if not rule.momentum:
+      return _SGD
+    return _SGD_NESTEROV if rule.nesterov else _SGD_MOMENTUM
+  if isinstance(rule, AdagradRule):
+    return _ADAGRAD
+  if isinstance(rule, RowwiseAdagradRule):
+    return _ROWWISE_ADAGRAD
+  return None
+
+
+def applies(inputs: StepInputs, plan: StepPlan) -> bool:
+  """The rule's own conditions: a known rule, no per-row or last steps, a step count
+  where Adagrad needs one, and a float32 parameter on one device for `max_norm` (with
+  the rounding zero, which rounds the renormalisation's product in the XLA path)."""
+  tables = inputs.tables
+  if _rule_code(plan.rule) is None or tables.row_step is not None:
+    return False
+  if tables.last_step is not None:
+    return False
+  if isinstance(plan.rule, AdagradRule) and inputs.hyper.step_size is None:
+    if inputs.step is None:
+      return False
+  if plan.config.max_norm is not None:
+    param = tables.param
+    return (
+      param is not None
+      and inputs.opaque_zero is not None
+      and jnp.dtype(param.dtype) == jnp.dtype(jnp.float32)
+      and sharding.on_one_cpu_device((param,))
+    )
+  return True
+
+
+def _coefficients(inputs: StepInputs, plan: StepPlan) -> list[Any]:
+  """`RuleCoeffs` of rule_kernels.cc, float32, as the rule and `xla.masked_step` compute them."""
+  f32, hyper, rule = jnp.float32, inputs.hyper, plan.rule
+
+  def c(x: Any) -> jax.Array:
+    return jnp.asarray(x, f32)
+
+  a: Any = 0.0
+  b: Any = 0.0
+  third: Any = 0.0
+  if not isinstance(rule, AdagradRule):
+    a = c(hyper.learning_rate)
+  if isinstance(rule, SGDRule) and rule.momentum:
+    b, third = c(hyper.momentum), c(1.0 - hyper.dampening)
+  elif isinstance(rule, AdagradRule):
+    # As AdagradRule.update computes its step size.
+    clr = hyper.step_size
+    if clr is None:
+      t = jnp.asarray(inputs.step).astype(f32)
+      clr = c(hyper.learning_rate) / (1 + (t - 1) * c(hyper.lr_decay))
+    a, b = c(clr), c(hyper.eps)
+  elif isinstance(rule, RowwiseAdagradRule):
+    b = c(hyper.eps)
+    third = inverse_row_size(math.prod(plan.layout.dense_shape), f32)
+  max_norm = plan.config.max_norm
+  return [a, b, third, moment_steps._decay_coefficient(inputs, plan), max_norm or 0.0]
+
+
+def masked_step(inputs: StepInputs, plan: StepPlan) -> RowsStep:
+  """`xla.masked_step` of SGD, Adagrad or row-wise Adagrad: one FFI call."""
+  f32 = jnp.float32
+  config, tables = plan.config, inputs.tables
+  names = [slot.name for slot in plan.rule.slots()]
+  slot = tables.slots[names[0]] if names else jnp.zeros((0,), f32)
+  reads_param = config.weight_decay != "none" or config.max_norm is not None
+  param = tables.param if reads_param else None
+  stochastic = config.moment_rounding == "stochastic"
+  step = inputs.step if inputs.step is not None else jnp.zeros((), jnp.int32)
+  offset = inputs.row_offset if inputs.row_offset is not None else 0
+  keys = jnp.stack([rounding.step_key(step, 0), jnp.asarray(offset).astype(jnp.uint32)])
+  call = jax.ffi.ffi_call(
+    RULE_STEP,
+    (
+      jax.ShapeDtypeStruct(inputs.rows.shape, jnp.int32),
+      jax.ShapeDtypeStruct(inputs.values.shape, f32),
+      jax.ShapeDtypeStruct(slot.shape, slot.dtype),
+    ),
+    input_output_aliases={2: 2},
+    vmap_method=moment_steps.VMAP_METHOD,
+  )
+  rows, delta, new_slot = call(
+    inputs.rows,
+    inputs.values,
+    slot,
+    jnp.stack([jnp.asarray(x, f32) for x in _coefficients(inputs, plan)]),
+    keys,
+    jnp.zeros((0,), f32) if param is None else param,
+    num_rows=plan.layout.num_rows,
+    rule=_rule_code(plan.rule),
+    maximize=config.maximize,
+    stochastic=stochastic,
+    decay=_DECAY_CODES[config.weight_decay],
+    max_norm=config.max_norm is not None,
+  )
+  return RowsStep(rows, delta, Tables({names[0]: new_slot} if names else {}))
