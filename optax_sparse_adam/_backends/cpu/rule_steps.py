@@ -87,6 +87,8 @@ def _coefficients(inputs: StepInputs, plan: StepPlan) -> list[Any]:
     a = c(hyper.learning_rate)
   if isinstance(rule, SGDRule) and rule.momentum:
     b, third = c(hyper.momentum), c(1.0 - hyper.dampening)
+    if inputs.step is not None:  # torch's buffer starts as the gradient: no dampening then
+      third = jnp.where(jnp.asarray(inputs.step) == 1, c(1.0), third)
   elif isinstance(rule, AdagradRule):
     # As AdagradRule.update computes its step size.
     clr = hyper.step_size
