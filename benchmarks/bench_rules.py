@@ -31,7 +31,7 @@ from jax.experimental import sparse
 
 import optax_sparse_adam as osa
 from benchmarks import _common as c
-from benchmarks.bench_options import _ratios, _Stepper, _summary
+from benchmarks.bench_options import _Stepper, _summary, _times
 
 # The new rules, each with the options a recipe sets (timed with the kernel and with the XLA ops).
 RULES = [
@@ -79,11 +79,11 @@ def time_rules(ids, values, num_rows, *, steps, rounds, use_torch=True):
   for name, opt in RULES:
     rows += [(f"{name} (CPU kernels)", opt, True), (f"{name} (XLA ops)", opt, False)]
   default = _Stepper(osa.sparse_adam(1e-3), num_rows, grads)
-  results = [("sparse_adam (CPU kernels)", [1.0])]
+  results = [("sparse_adam (CPU kernels)", [(1.0, 1.0)])]
   for name, opt, kernels in rows:
     # One option's tables at a time next to the default's.
     stepper = _Stepper(opt, num_rows, grads, cpu_kernels=kernels)
-    results.append((name, _ratios(stepper, default, rounds=rounds, steps=steps)))
+    results.append((name, _times(stepper, default, rounds=rounds, steps=steps)))
     del stepper
   if use_torch and c.torch is not None:
     optim = c.torch.optim
@@ -93,15 +93,15 @@ def time_rules(ids, values, num_rows, *, steps, rounds, use_torch=True):
       ("torch.optim.SparseAdam", lambda p: optim.SparseAdam(p, lr=1e-3)),
     ):
       stepper = _TorchStepper(make, ids, values, num_rows)
-      results.append((name, _ratios(stepper, default, rounds=rounds, steps=steps)))
+      results.append((name, _times(stepper, default, rounds=rounds, steps=steps)))
       del stepper
   return results
 
 
 def print_ratios(results) -> None:
-  """Each step's median (range) ratio to the `sparse_adam` kernel step."""
-  for name, ratios in results:
-    print(f"  {name:56s} {_summary(ratios):>20s}  x the Adam kernel step")
+  """Each step's median (range) and fastest ratio to the `sparse_adam` kernel step."""
+  for name, times in results:
+    print(f"  {name:56s} {_summary(times):>34s}  x the Adam kernel step")
 
 
 def main(argv=None) -> None:

@@ -1,0 +1,19 @@
+"""Every benchmark script imports: one reaching for a helper another script renamed fails here."""
+
+import importlib
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = sorted(
+  path.stem
+  for path in (Path(__file__).resolve().parents[2] / "benchmarks").glob("*.py")
+  if path.stem != "__init__"
+)
+
+
+@pytest.mark.parametrize("name", BENCHMARKS)
+def test_benchmark_script_imports(name):
+  module = importlib.import_module(f"benchmarks.{name}")
+  if not name.startswith("_"):  # a script: run as `python -m benchmarks.<name>`
+    assert callable(getattr(module, "main", None)), f"benchmarks/{name}.py has no main()"
