@@ -6,6 +6,7 @@ least disturbed by other processes. Ratios are taken between timings made in
 the same process, one after the other.
 """
 
+import argparse
 import contextlib
 import os
 import time
@@ -364,3 +365,15 @@ def machine() -> str:
 
 def ms(seconds: float | None) -> str:
   return "—" if seconds is None else f"{seconds * 1e3:.3f} ms"
+
+
+def table_parser(doc: str) -> argparse.ArgumentParser:
+  """A script's parser (described by its docstring's first paragraph) with the table's
+  sizes at the headline setting: `--vocab` rows, `--dim` width, `--batch` ids a step."""
+  parser = argparse.ArgumentParser(
+    description=doc.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+  )
+  parser.add_argument("--vocab", type=int, default=1_000_000, help="rows V of the table")
+  parser.add_argument("--dim", type=int, default=64, help="row width D")
+  parser.add_argument("--batch", type=int, default=4096, help="ids B a step (gradient)")
+  return parser

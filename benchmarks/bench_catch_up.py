@@ -24,7 +24,6 @@ Run from the repository root:
   python -m benchmarks.bench_catch_up --quick
 """
 
-import argparse
 import contextlib
 import math
 import time
@@ -123,12 +122,7 @@ def time_catch_up_all_rows(num_rows: int, dim: int, repeats: int) -> float:
 
 
 def main(argv=None) -> None:
-  parser = argparse.ArgumentParser(
-    description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
-  )
-  parser.add_argument("--vocab", type=int, default=1_000_000, help="rows V of the table")
-  parser.add_argument("--dim", type=int, default=64, help="row width D")
-  parser.add_argument("--batch", type=int, default=4096, help="ids B per gradient")
+  parser = c.table_parser(__doc__)
   parser.add_argument("--steps", type=int, default=20, help="steps per timed run")
   parser.add_argument("--repeats", type=int, default=15, help="timed runs; the fastest counts")
   parser.add_argument("--quick", action="store_true", help="V=100k, fewer runs")

@@ -22,7 +22,6 @@ Run from the repository root:
   python -m benchmarks.bench_lean_state --quick    # V=100k
 """
 
-import argparse
 
 import jax
 import jax.numpy as jnp
@@ -54,12 +53,7 @@ def state_bytes_per_row(num_rows: int, dim: int, **kwargs) -> float:
 
 
 def main(argv=None) -> None:
-  parser = argparse.ArgumentParser(
-    description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
-  )
-  parser.add_argument("--vocab", type=int, default=1_000_000, help="rows V")
-  parser.add_argument("--dim", type=int, default=64, help="row width D")
-  parser.add_argument("--batch", type=int, default=4096, help="ids B per gradient")
+  parser = c.table_parser(__doc__)
   parser.add_argument("--steps", type=int, default=20, help="steps per timed run")
   parser.add_argument("--repeats", type=int, default=3, help="timed runs; the fastest counts")
   parser.add_argument("--budget-gib", type=float, default=8.0, help="table + state budget")

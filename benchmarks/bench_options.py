@@ -18,7 +18,6 @@ Run from the repository root:
   python -m benchmarks.bench_options --vocab 100000 --rounds 3 --only adamw amsgrad
 """
 
-import argparse
 import statistics
 import time
 from collections.abc import Callable
@@ -126,12 +125,7 @@ def _summary(times: list[tuple[float, float]]) -> str:
 
 
 def main(argv=None) -> None:
-  parser = argparse.ArgumentParser(
-    description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
-  )
-  parser.add_argument("--vocab", type=int, default=1_000_000, help="rows V")
-  parser.add_argument("--dim", type=int, default=64, help="row width D")
-  parser.add_argument("--batch", type=int, default=4096, help="ids B per gradient")
+  parser = c.table_parser(__doc__)
   parser.add_argument("--steps", type=int, default=20, help="steps per timed run")
   parser.add_argument("--rounds", type=int, default=7, help="interleaved rounds per option")
   parser.add_argument("--dist", nargs="*", default=["zipf", "uniform"], help="id distributions")

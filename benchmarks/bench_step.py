@@ -30,19 +30,13 @@ Run from the repository root:
   python -m benchmarks.bench_step --quick    # a smaller, faster run
 """
 
-import argparse
 
 from benchmarks import _common as c
 from benchmarks import bench_rules
 
 
 def main(argv=None) -> None:
-  parser = argparse.ArgumentParser(
-    description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
-  )
-  parser.add_argument("--vocab", type=int, default=1_000_000, help="rows V of the headline table")
-  parser.add_argument("--dim", type=int, default=64, help="row width D")
-  parser.add_argument("--batch", type=int, default=4096, help="ids B per gradient")
+  parser = c.table_parser(__doc__)
   parser.add_argument(
     "--sweep",
     type=int,

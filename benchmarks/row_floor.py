@@ -16,7 +16,6 @@ Run from the repository root (seconds; V x D x 4 bytes x 4 tables of memory):
   python -m benchmarks.row_floor --vocab 4000000 --rounds 100
 """
 
-import argparse
 import os
 import subprocess
 import tempfile
@@ -24,16 +23,13 @@ from pathlib import Path
 
 import jax.ffi
 
+from benchmarks import _common as c
+
 _SOURCE = Path(__file__).with_name("row_floor.cc")
 
 
 def main(argv=None) -> None:
-  parser = argparse.ArgumentParser(
-    description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
-  )
-  parser.add_argument("--vocab", type=int, default=1_000_000, help="rows V")
-  parser.add_argument("--dim", type=int, default=64, help="row width D")
-  parser.add_argument("--batch", type=int, default=4096, help="distinct rows B a step")
+  parser = c.table_parser(__doc__)
   parser.add_argument("--rounds", type=int, default=200, help="interleaved rounds")
   args = parser.parse_args(argv)
   with tempfile.TemporaryDirectory() as tmp:
