@@ -22,7 +22,6 @@ Run from the repository root:
   python -m benchmarks.bench_lean_state --quick    # V=100k
 """
 
-
 import jax
 import jax.numpy as jnp
 

@@ -30,7 +30,6 @@ Run from the repository root:
   python -m benchmarks.bench_step --quick    # a smaller, faster run
 """
 
-
 from benchmarks import _common as c
 from benchmarks import bench_rules
 
