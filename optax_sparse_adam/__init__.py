@@ -32,6 +32,9 @@ from optax_sparse_adam._core.rules import RowBlock as RowBlock
 from optax_sparse_adam._core.rules import RowRule as RowRule
 from optax_sparse_adam._core.rules import Slot as Slot
 from optax_sparse_adam._core.sharded.lookup import sharded_lookup as sharded_lookup
+from optax_sparse_adam._core.sharded.overflow import (
+  RoutingOverflowWarning as RoutingOverflowWarning,
+)
 from optax_sparse_adam._core.sharded.overflow import RoutingStats as RoutingStats
 from optax_sparse_adam._core.sharded.overflow import routing_stats as routing_stats
 from optax_sparse_adam._core.sharded.placement import from_cyclic_rows as from_cyclic_rows
@@ -69,6 +72,7 @@ __all__ = (
   "HugePageAdvice",
   "IdleBlock",
   "LeafState",
+  "RoutingOverflowWarning",
   "RoutingStats",
   "RowBlock",
   "RowBuffer",

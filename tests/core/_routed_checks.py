@@ -276,6 +276,41 @@ def lookups():
   return results
 
 
+def overflow_warning():
+  """A lookup whose ids all live on one owner, run past `WARN_AFTER`: one
+  `RoutingOverflowWarning` (not one per call), none again before a reset."""
+  from optax_sparse_adam._core.sharded import overflow
+
+  rng = np.random.default_rng(2)
+  table = rng.normal(size=(NUM_ROWS, DIM)).astype(np.float32)
+  mesh = jax.make_mesh((NUM_DEVICES,), ("x",), axis_types=(AxisType.Explicit,))
+  with jax.set_mesh(mesh), osa.sharded_routing():
+    args = (
+      jax.device_put(table, NamedSharding(mesh, P("x", None))),
+      jax.device_put(ids_of("one_owner", rng).astype(np.int32), NamedSharding(mesh, P("x"))),
+    )
+    lookup = jax.jit(osa.sharded_lookup)
+    osa.routing_stats(reset=True)
+    counts = []
+    with warnings.catch_warnings(record=True) as caught:
+      warnings.simplefilter("always")
+      for _ in range(overflow.WARN_AFTER + 4):
+        lookup(*args)
+        osa.routing_stats()  # waits for the callback
+        counts.append(sum(w.category is osa.RoutingOverflowWarning for w in caught))
+      stats = osa.routing_stats(reset=True)
+      lookup(*args)
+      osa.routing_stats(reset=True)
+  messages = [str(w.message) for w in caught if w.category is osa.RoutingOverflowWarning]
+  return {
+    "warned_after": counts.index(1) + 1 if 1 in counts else None,
+    "total_warnings": counts[-1],
+    "after_reset": sum(w.category is osa.RoutingOverflowWarning for w in caught) - counts[-1],
+    "stats": stats._asdict(),
+    "message": messages[0] if messages else "",
+  }
+
+
 CYCLIC_CASES = [
   ("all_options", "zipf", "explicit"),
   ("all_options", "zipf", "auto_default"),
@@ -745,6 +780,7 @@ def main():
   results["transformed"] = transformed_steps(auto)
   explicit = jax.make_mesh((NUM_DEVICES,), ("x",), axis_types=(AxisType.Explicit,))
   results["lookups"] = lookups()
+  results["overflow_warning"] = overflow_warning()
   results["flax_nnx"] = flax_nnx()
   results["flax_nnx_auto_default"] = flax_nnx(auto_axis=None)
   results["front_ends"] = front_ends()

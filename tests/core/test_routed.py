@@ -4,13 +4,16 @@ The runs happen in a subprocess (tests/core/_routed_checks.py), as in
 tests/core/test_sharding.py; this process keeps its single device.
 """
 
+import warnings
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.experimental import sparse
 
 import optax_sparse_adam as osa
-from optax_sparse_adam._core.sharded import placement, routing
+from optax_sparse_adam._core.sharded import overflow, placement, routing
+from optax_sparse_adam._core.sharded.overflow import WARN_AFTER, WARN_SHARE
 from tests.core._forced_devices import run_checks
 from tests.core._routed_tiers import SLOW_RUNS
 
@@ -173,6 +176,35 @@ def test_routing_stats_count_the_lookups_that_overflowed(checks, mode):
     stats = checks["lookups"][f"{mode}/{kind}"]["stats"]
     assert stats["lookups"] == 1 and stats["steps"] == 0, kind
   assert checks["lookups"][f"{mode}/one_owner"]["stats"]["overflowed_lookups"] == 1
+
+
+def test_repeated_overflows_warn_once_until_reset(checks):
+  """Lookups that all overflow warn at the `WARN_AFTER`-th, once, naming the remedy;
+  after `routing_stats(reset=True)` the counting starts again."""
+  result = checks["overflow_warning"]
+  assert result["warned_after"] == WARN_AFTER, result
+  assert result["total_warnings"] == 1 and result["after_reset"] == 0, result
+  assert result["stats"]["overflowed_lookups"] == WARN_AFTER + 4, result
+  assert "row_placement='cyclic'" in result["message"] and "capacity_factor" in result["message"]
+
+
+@pytest.mark.parametrize("overflowed", [0, 1])
+def test_overflow_warning_waits_for_a_steady_share(overflowed):
+  """Steps counted by the callback: no warning below `WARN_AFTER` overflowed or below
+  `WARN_SHARE` of the routed ones; one at the step that reaches both."""
+  osa.routing_stats(reset=True)
+  routed = int(WARN_AFTER / WARN_SHARE) * 2 if not overflowed else WARN_AFTER
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    for _ in range(routed):  # routed, not overflowed: dilutes the share
+      overflow._record(overflow.STEP, jnp.int32(overflow.ROUTED))
+    for _ in range(WARN_AFTER):
+      overflow._record(overflow.STEP, jnp.int32(overflow.OVERFLOWED))
+  osa.routing_stats(reset=True)
+  warned = [w for w in caught if w.category is osa.RoutingOverflowWarning]
+  assert len(warned) == overflowed, [str(w.message) for w in caught]
+  if overflowed:
+    assert f"{WARN_AFTER} of {routed + WARN_AFTER} routed optimizer steps" in str(warned[0].message)
 
 
 def test_routing_stats_on_one_device_count_nothing():

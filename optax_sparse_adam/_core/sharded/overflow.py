@@ -5,13 +5,16 @@ same numbers, at the cost of the unrouted step. Nothing in its results shows
 it, so each routed step and lookup reports, once it has run, whether it
 overflowed (`jax.debug.callback` of a replicated flag, outside `shard_map` and
 outside the custom-partitioned ops, where callbacks do not lower), and
-`routing_stats` reads the counts.
+`routing_stats` reads the counts. So that a layout which defeats routing is
+noticed without asking, a `RoutingOverflowWarning` is issued once the
+overflowing share of a kind of op is large (`WARN_AFTER`, `WARN_SHARE`).
 """
 
 from __future__ import annotations
 
 import functools
 import threading
+import warnings
 from typing import NamedTuple
 
 import jax
@@ -22,6 +25,22 @@ import jax.numpy as jnp
 NOT_ROUTED, ROUTED, OVERFLOWED = -1, 0, 1
 
 STEP, LOOKUP = "step", "lookup"
+
+# Warn once this many routed ops of a kind have overflowed, if they are at least
+# this share of that kind's routed ops: a few overflows (a burst of hot ids) are
+# what the all-gather path is for; a steady share means the layout defeats routing.
+WARN_AFTER, WARN_SHARE = 16, 0.05
+
+
+class RoutingOverflowWarning(UserWarning):
+  """Many routed steps or lookups overflowed their capacity and took the all-gather path.
+
+  Issued once per kind (steps, lookups) until `routing_stats(reset=True)`, when
+  `WARN_AFTER` routed ops of that kind have overflowed and they are at least
+  `WARN_SHARE` of the kind's routed ops. The results are right; the traffic is
+  that of the step left to XLA. Filter it as any warning
+  (`warnings.simplefilter("ignore", osa.RoutingOverflowWarning)`).
+  """
 
 
 class RoutingStats(NamedTuple):
@@ -43,6 +62,7 @@ class RoutingStats(NamedTuple):
 
 _lock = threading.Lock()
 _counts = {STEP: [0, 0], LOOKUP: [0, 0]}
+_warned: set[str] = set()
 
 
 def _record(kind: str, flag: jax.Array) -> None:
@@ -50,8 +70,25 @@ def _record(kind: str, flag: jax.Array) -> None:
   if value == NOT_ROUTED:
     return
   with _lock:
-    _counts[kind][0] += 1
-    _counts[kind][1] += int(value == OVERFLOWED)
+    counts = _counts[kind]
+    counts[0] += 1
+    counts[1] += int(value == OVERFLOWED)
+    routed, overflowed = counts
+    due = kind not in _warned and overflowed >= WARN_AFTER and overflowed >= WARN_SHARE * routed
+    if due:
+      _warned.add(kind)
+  if due:
+    what = "optimizer steps" if kind == STEP else "lookups"
+    warnings.warn(
+      f"{overflowed} of {routed} routed {what} overflowed their capacity and took the "
+      "all-gather path, whose traffic grows with the devices: the hot rows share an owner "
+      "(a vocabulary sorted by frequency, split in blocks). Place the rows cyclically "
+      "(osa.sharded_routing(row_placement='cyclic')) or give a larger capacity_factor; "
+      "see docs/sharding.md. osa.routing_stats() has the counts; this warns once until "
+      "routing_stats(reset=True).",
+      RoutingOverflowWarning,
+      stacklevel=2,
+    )
 
 
 def note(kind: str, flag: jax.Array) -> None:
@@ -77,6 +114,10 @@ def routing_stats(*, reset: bool = False) -> RoutingStats:
   defeats routing (place rows cyclically, `sharded_routing(row_placement=...)`,
   or give a larger `capacity_factor`; docs/sharding.md).
 
+  Once a kind's overflowing share is steady (`RoutingOverflowWarning`: at least
+  16 overflowed, 5% or more of the routed ones), a warning says so, once until
+  the counts are reset.
+
   Counted on the host when each step runs (a `jax.debug.callback`, so the
   counts include only steps that have finished: this waits for pending ones),
   in this process (with several processes each keeps its own counts; not tested there).
@@ -99,4 +140,5 @@ def routing_stats(*, reset: bool = False) -> RoutingStats:
     if reset:
       for counts in _counts.values():
         counts[:] = [0, 0]
+      _warned.clear()
   return stats
