@@ -206,13 +206,13 @@ class SparseEmbedBag(TableModule):
   `num_embeddings` (rows `V`), `features` (row width `D`), `max_norm` and
   `norm_type` (the looked-up rows renormalised in place before they are
   pooled), `dtype` (of the pooled rows), `param_dtype`, `embedding_init` and
-  `rngs`. The bag's own:
+  `rngs`. The bag's own (its keywords in `nn.EmbeddingBag`'s order):
 
   Args:
     mode: 'sum', 'mean' (torch's default) or 'max'.
+    include_last_offset: `offsets` has `B + 1` entries, the last the end of bag `B`.
     padding_idx: an id left out of every bag, whose row gets no gradient entry;
       negative counts from the end.
-    include_last_offset: `offsets` has `B + 1` entries, the last the end of bag `B`.
 
   Example:
     >>> from flax import nnx
@@ -232,11 +232,11 @@ class SparseEmbedBag(TableModule):
     num_embeddings: int,
     features: int,
     *,
-    mode: str = "mean",
-    padding_idx: int | None = None,
     max_norm: float | None = None,
     norm_type: float = 2.0,
+    mode: str = "mean",
     include_last_offset: bool = False,
+    padding_idx: int | None = None,
     dtype: Any = None,
     param_dtype: Any = jnp.float32,
     embedding_init: Callable[..., jax.Array] = default_embed_init,
