@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, TypeAlias
+import inspect
+from typing import Any, NamedTuple, TypeAlias, TypedDict, Unpack
 
 import jax
 import jax.numpy as jnp
@@ -34,6 +35,23 @@ from optax_sparse_adam._optax.state import (
 )
 
 ScalarOrSchedule: TypeAlias = float | jax.Array | optax.Schedule
+
+
+class AdamFlags(TypedDict, total=False):
+  """`sparse_adam`'s keyword-only flags that `sparse_adamw` takes too (`**flags`).
+
+  Each is documented, with its default, in `sparse_adam`'s Args.
+  """
+
+  maximize: bool
+  amsgrad: bool
+  per_row_bias_correction: bool
+  mu_dtype: Any
+  nu_dtype: Any
+  rowwise_second_moment: bool
+  moment_rounding: MomentRounding
+  catch_up_idle_rows: bool
+  max_norm: float | None
 
 
 class SparseAdamOptions(NamedTuple):
@@ -323,16 +341,7 @@ def sparse_adamw(
   b2: float = 0.999,
   eps: float = 1e-8,
   weight_decay: float = 1e-2,
-  *,
-  maximize: bool = False,
-  amsgrad: bool = False,
-  per_row_bias_correction: bool = False,
-  mu_dtype: Any = None,
-  nu_dtype: Any = None,
-  rowwise_second_moment: bool = False,
-  moment_rounding: MomentRounding = "nearest",
-  catch_up_idle_rows: bool = False,
-  max_norm: float | None = None,
+  **flags: Unpack[AdamFlags],
 ) -> optax.GradientTransformationExtraArgs:
   r"""`sparse_adam` with decoupled weight decay, applied to the touched rows only.
 
@@ -349,20 +358,13 @@ def sparse_adamw(
     b2: decay rate of the second moment.
     eps: added to :math:`\sqrt{v}` in the denominator.
     weight_decay: decoupled decay rate :math:`\lambda`. Needs `params` in `update`.
-    maximize: ascend the objective instead of descending it.
-    amsgrad: use the running max of :math:`v` in the denominator (masked).
-    per_row_bias_correction: per-row step counts for the bias correction.
-    mu_dtype: dtype of the first moment; default the parameter's.
-    nu_dtype: dtype of the second moment; default the parameter's.
-    rowwise_second_moment: one second moment per row, as in `sparse_adam`;
-      with it, `sparse_adamw` is FBGEMM's PARTIAL_ROWWISE_ADAM with its weight
-      decay.
-    moment_rounding: "nearest" or "stochastic", for bf16 moments (see
-      `sparse_adam`).
-    catch_up_idle_rows: take dense AdamW's steps for the rows the gradients
-      skip (see `sparse_adam`), the decoupled decay included:
-      :math:`(1 - \alpha\lambda)^k` over :math:`k` idle steps.
-    max_norm: per-row renormalisation after the step (see `sparse_adam`).
+    **flags: `sparse_adam`'s keyword-only flags (`AdamFlags`), with its defaults:
+      `maximize`, `amsgrad`, `per_row_bias_correction`, `mu_dtype`, `nu_dtype`,
+      `rowwise_second_moment` (with it, `sparse_adamw` is FBGEMM's
+      PARTIAL_ROWWISE_ADAM with its weight decay), `moment_rounding`,
+      `catch_up_idle_rows` (dense AdamW's steps for the rows the gradients
+      skip, the decoupled decay included: :math:`(1 - \alpha\lambda)^k` over
+      :math:`k` idle steps) and `max_norm`.
 
   Returns:
     As `sparse_adam`: an `optax.GradientTransformationExtraArgs` (extra keyword
@@ -383,4 +385,32 @@ def sparse_adamw(
     Loshchilov and Hutter, `Decoupled Weight Decay Regularization
     <https://arxiv.org/abs/1711.05101>`_, 2019
   """
-  return _scale_by_sparse_adam(SparseAdamOptions(**locals(), decoupled_weight_decay=True))
+  unknown = sorted(set(flags) - AdamFlags.__optional_keys__)
+  if unknown:
+    raise TypeError(
+      f"sparse_adamw() got unexpected keyword arguments {unknown}; its flags are "
+      f"sparse_adam's: {sorted(AdamFlags.__optional_keys__)}"
+    )
+  options = _ADAM_SIGNATURE.bind(learning_rate, b1, b2, eps, weight_decay=weight_decay, **flags)
+  options.apply_defaults()
+  return _scale_by_sparse_adam(SparseAdamOptions(**options.arguments, decoupled_weight_decay=True))
+
+
+def _adamw_signature() -> inspect.Signature:
+  """`sparse_adam`'s signature with `weight_decay` fifth, positional, default 1e-2.
+
+  What `inspect.signature(sparse_adamw)` reads, so that `optax.inject_hyperparams`
+  sees each flag (as it does `sparse_adam`'s), not one `**flags` dict.
+  """
+  hyper: list[inspect.Parameter] = []
+  keywords: list[inspect.Parameter] = []
+  for parameter in _ADAM_SIGNATURE.parameters.values():
+    if parameter.name == "weight_decay":
+      hyper.append(parameter.replace(kind=inspect.Parameter.POSITIONAL_OR_KEYWORD, default=1e-2))
+    else:
+      (keywords if parameter.kind is inspect.Parameter.KEYWORD_ONLY else hyper).append(parameter)
+  return _ADAM_SIGNATURE.replace(parameters=hyper + keywords)
+
+
+_ADAM_SIGNATURE = inspect.signature(sparse_adam)
+sparse_adamw.__signature__ = _adamw_signature()  # type: ignore[attr-defined]

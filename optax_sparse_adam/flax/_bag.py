@@ -202,19 +202,17 @@ class SparseEmbedBag(TableModule):
   padding row zeroed); a call pools the rows of each bag (`embedding_bag_lookup`).
   The number of bags is static (the length of `offsets`, or the rows of 2-D ids).
 
+  The table's arguments are `SparseEmbed`'s, with its defaults and meanings:
+  `num_embeddings` (rows `V`), `features` (row width `D`), `max_norm` and
+  `norm_type` (the looked-up rows renormalised in place before they are
+  pooled), `dtype` (of the pooled rows), `param_dtype`, `embedding_init` and
+  `rngs`. The bag's own (its keywords in `nn.EmbeddingBag`'s order):
+
   Args:
-    num_embeddings: number of rows `V`.
-    features: row width `D`.
     mode: 'sum', 'mean' (torch's default) or 'max'.
+    include_last_offset: `offsets` has `B + 1` entries, the last the end of bag `B`.
     padding_idx: an id left out of every bag, whose row gets no gradient entry;
       negative counts from the end.
-    max_norm: renormalise the looked-up rows in place first (as `SparseEmbed`).
-    norm_type: p of the p-norm for `max_norm`.
-    include_last_offset: `offsets` has `B + 1` entries, the last the end of bag `B`.
-    dtype: dtype of the returned rows; default the table's.
-    param_dtype: dtype of the table.
-    embedding_init: initializer of the table.
-    rngs: `nnx.Rngs` with a `params` stream.
 
   Example:
     >>> from flax import nnx
@@ -234,11 +232,11 @@ class SparseEmbedBag(TableModule):
     num_embeddings: int,
     features: int,
     *,
-    mode: str = "mean",
-    padding_idx: int | None = None,
     max_norm: float | None = None,
     norm_type: float = 2.0,
+    mode: str = "mean",
     include_last_offset: bool = False,
+    padding_idx: int | None = None,
     dtype: Any = None,
     param_dtype: Any = jnp.float32,
     embedding_init: Callable[..., jax.Array] = default_embed_init,
@@ -278,8 +276,8 @@ class LinenSparseEmbedBag(nn.Module):
     features: row width `D`.
     mode: 'sum', 'mean' (default) or 'max'.
     padding_idx: see `SparseEmbedBag`.
-    max_norm: see `SparseEmbedBag`.
-    norm_type: see `SparseEmbedBag`.
+    max_norm: see `SparseEmbed`.
+    norm_type: see `SparseEmbed`.
     include_last_offset: see `SparseEmbedBag`.
     dtype: dtype of the returned rows; default the table's.
     param_dtype: dtype of the table.

@@ -3,6 +3,8 @@
 `optax.contrib.reduce_on_plateau` and `schedule_free` around the sparse step, and states
 saved in the 0.1.0 layout. The sharded use of the specs is in test_state_specs_sharding.py."""
 
+import inspect
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,6 +15,7 @@ from jax.experimental import checkify, sparse
 from jax.sharding import PartitionSpec as P
 
 import optax_sparse_adam as osa
+from optax_sparse_adam._optax.transform import AdamFlags
 from tests._helpers import NumpySparseAdam
 
 NUM_ROWS, DIM = 10, 3
@@ -173,6 +176,36 @@ def test_tree_get_and_set_injected_hyperparameters(jit):
     ref.step(rows[:, None], dense[rows], lr=lr)
   np.testing.assert_allclose(params["table"], ref.param, rtol=2e-5, atol=1e-6)
   assert int(state.inner_state.count) == len(lrs)
+
+
+def test_sparse_adamw_takes_sparse_adams_flags_and_inject_hyperparams_sees_each():
+  """`sparse_adamw(..., **flags)`: `AdamFlags` is sparse_adam's keyword-only flags but
+  weight_decay, and `inspect.signature(sparse_adamw)` lists each one (inject_hyperparams binds
+  against it: one `flags` dict would reach the factory as an unknown flag)."""
+  adam = inspect.signature(osa.sparse_adam).parameters
+  adamw = inspect.signature(osa.sparse_adamw).parameters
+  flags = [n for n, p in adam.items() if p.kind is p.KEYWORD_ONLY and n != "weight_decay"]
+  assert sorted(AdamFlags.__optional_keys__) == sorted(flags)
+  assert [n for n, p in adamw.items() if p.kind is p.KEYWORD_ONLY] == flags
+  assert [(n, p.default) for n, p in adamw.items()][:5] == [
+    ("learning_rate", 1e-3),
+    ("b1", 0.9),
+    ("b2", 0.999),
+    ("eps", 1e-8),
+    ("weight_decay", 1e-2),
+  ]
+  with pytest.raises(TypeError, match="'momentum'"):
+    osa.sparse_adamw(momentum=0.9)
+  kwargs = {"learning_rate": 0.1, "weight_decay": 0.2, "amsgrad": True, "maximize": True}
+  injected = optax.inject_hyperparams(osa.sparse_adamw)(**kwargs)
+  params, grads = {"table": table()}, {"table": make_grad(0)}
+  state = injected.init(params)
+  assert sorted(state.hyperparams) == ["b1", "b2", "eps", "learning_rate", "weight_decay"]
+  got, _ = injected.update(grads, state, params)
+  direct = osa.sparse_adamw(**kwargs)
+  want, want_state = direct.update(grads, direct.init(params), params)
+  assert want_state.nu_max is not None
+  np.testing.assert_allclose(got["table"].todense(), want["table"].todense(), rtol=1e-6)
 
 
 def test_tree_get_finds_no_hyperparameter_without_injection():

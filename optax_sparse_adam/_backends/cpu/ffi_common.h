@@ -305,7 +305,44 @@ float PairwiseSum(float* scratch, int64_t row_size) {
   return scratch[0];
 }
 
-// The row-wise Adam arithmetic of one row, in RowwiseAdamRule.update's order:
+// The FFI binding every row step shares (`CoalescedRowsStep`'s): its first
+// inputs, the gradient's rows (int32) and values (float32) (the scatter-add
+// takes its update's so too); then, after the step's own inputs, the
+// attributes `RowStepAttrs`; then, after the step's own attributes, the pool
+// and the first outputs `RowStepOutputs`.
+inline auto RowStepBinding() {
+  return ffi::Ffi::Bind().Arg<ffi::Buffer<ffi::S32>>().Arg<ffi::Buffer<ffi::F32>>();
+}
+
+// The table's number of rows, whether the step maximizes, whether bfloat16
+// slots round stochastically.
+template <typename Binding>
+auto RowStepAttrs(Binding&& binding) {
+  return std::move(binding)
+      .template Attr<int64_t>("num_rows")
+      .template Attr<bool>("maximize")
+      .template Attr<bool>("stochastic");
+}
+
+// `binding` with one attribute of type T per name, in order (a step's flags).
+// One name at least: a binding cannot be returned as is (its move is private).
+template <typename T, typename Binding>
+auto Attrs(Binding&& binding, const char* name) {
+  return std::move(binding).template Attr<T>(name);
+}
+template <typename T, typename Binding, typename... Names>
+auto Attrs(Binding&& binding, const char* name, const char* next, Names... rest) {
+  return Attrs<T>(std::move(binding).template Attr<T>(name), next, rest...);
+}
+
+// XLA's thread pool, then the distinct rows (and padding) and their deltas.
+template <typename Binding>
+auto RowStepOutputs(Binding&& binding) {
+  return std::move(binding)
+      .template Ctx<ffi::ThreadPool>()
+      .template Ret<ffi::Buffer<ffi::S32>>()
+      .template Ret<ffi::Buffer<ffi::F32>>();
+}
 
 }  // namespace
 

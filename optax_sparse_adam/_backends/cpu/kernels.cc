@@ -374,16 +374,13 @@ const CatchUpRow& CachedCatchUpRow(const CatchUpConstants& c, int32_t last, uint
 // entry_scales f32 (nse, width) (each gradient entry's row's step-size factors
 // for its row's new step count, computed by XLA, whose exp is not the C
 // library's, from `EntryStepsImpl`'s counts, which it also stores; empty
-// without per-row steps).
+// without per-row steps); then which of them the step reads (its options) and
+// `scales_width`, entry_scales' values per entry.
 struct OptionInputs {
   ffi::Buffer<ffi::F32> param;
   ffi::AnyBuffer nu_max;
   ffi::Buffer<ffi::F32> entry_scales;
   ffi::Result<ffi::AnyBuffer>& nu_max_out;
-};
-
-// Which options a step has; `scales_width`: entry_scales' values per entry.
-struct OptionFlags {
   bool decay;
   bool amsgrad;
   bool per_row;
@@ -410,25 +407,25 @@ struct OptionBuffers {
 
 // Checks the option buffers of `step`, starts undonated outputs from the inputs,
 // and points `out` at them.
-ffi::Error PrepareOptions(const MomentStep& step, const OptionInputs& in, OptionFlags flags,
-                          int64_t nu_row_size, OptionBuffers& out) {
+ffi::Error PrepareOptions(const MomentStep& step, const OptionInputs& in, int64_t nu_row_size,
+                          OptionBuffers& out) {
   const int64_t nse = static_cast<int64_t>(step.rows.element_count());
   const int64_t num_rows = step.num_rows;
-  if (flags.decay && in.param.element_count() != step.mu.element_count()) {
+  if (in.decay && in.param.element_count() != step.mu.element_count()) {
     return ffi::Error::InvalidArgument("param must have mu's size with weight decay");
   }
-  if (flags.amsgrad && (in.nu_max.element_type() != step.nu.element_type() ||
-                        in.nu_max.element_count() != step.nu.element_count())) {
+  if (in.amsgrad && (in.nu_max.element_type() != step.nu.element_type() ||
+                     in.nu_max.element_count() != step.nu.element_count())) {
     return ffi::Error::InvalidArgument("nu_max must have nu's dtype and size with amsgrad");
   }
-  if (flags.per_row &&
-      static_cast<int64_t>(in.entry_scales.element_count()) != nse * flags.scales_width) {
+  if (in.per_row &&
+      static_cast<int64_t>(in.entry_scales.element_count()) != nse * in.scales_width) {
     return ffi::Error::InvalidArgument("entry_scales must hold the step sizes of every entry");
   }
-  if (flags.amsgrad) CopyIfNotAliased(in.nu_max, in.nu_max_out);
-  out.p = flags.decay ? in.param.typed_data() : nullptr;
-  out.nu_max = flags.amsgrad ? in.nu_max_out->untyped_data() : nullptr;
-  out.entry_scales = flags.per_row ? in.entry_scales.typed_data() : nullptr;
+  if (in.amsgrad) CopyIfNotAliased(in.nu_max, in.nu_max_out);
+  out.p = in.decay ? in.param.typed_data() : nullptr;
+  out.nu_max = in.amsgrad ? in.nu_max_out->untyped_data() : nullptr;
+  out.entry_scales = in.per_row ? in.entry_scales.typed_data() : nullptr;
   out.row_size = num_rows > 0 ? static_cast<int64_t>(step.mu.element_count()) / num_rows : 0;
   out.nu_row_bytes = nu_row_size * (step.nu.element_type() == ffi::DataType::F32 ? 4 : 2);
   return ffi::Error::Success();
@@ -449,12 +446,12 @@ struct OptionRow {
 // (and `prefetch(row)`'s), and runs `update(MomentRow, OptionRow)` on each
 // distinct row.
 template <int kNumCoeffs, bool kNuPerRow, typename Update, typename Prefetch = NoPrefetch>
-ffi::Error RunOptionStep(MomentStep& step, const OptionInputs& in, OptionFlags flags,
-                         Update update, Prefetch prefetch = Prefetch{}) {
+ffi::Error RunOptionStep(MomentStep& step, const OptionInputs& in, Update update,
+                         Prefetch prefetch = Prefetch{}) {
   OptionBuffers o;
   const int64_t row_size = RowSize(step.mu.element_count(), step.num_rows);
   const int64_t nu_row_size = kNuPerRow ? 1 : row_size;
-  if (auto error = PrepareOptions(step, in, flags, nu_row_size, o); error.failure()) return error;
+  if (auto error = PrepareOptions(step, in, nu_row_size, o); error.failure()) return error;
   return RunMomentStep<kNumCoeffs, kNuPerRow>(
       step,
       [&](auto r) {
@@ -462,7 +459,7 @@ ffi::Error RunOptionStep(MomentStep& step, const OptionInputs& in, OptionFlags f
         const OptionRow<NuT> options{
             o.p == nullptr ? nullptr : o.p + r.row * r.size,
             o.nu_max == nullptr ? nullptr : static_cast<NuT*>(o.nu_max) + r.row * nu_row_size,
-            o.entry_scales == nullptr ? nullptr : o.entry_scales + r.entry * flags.scales_width};
+            o.entry_scales == nullptr ? nullptr : o.entry_scales + r.entry * in.scales_width};
         update(r, options);
       },
       [&](int64_t row) {
@@ -532,8 +529,7 @@ ffi::Error FusedAdamOptionsImpl(
   const uint64_t call = catch_up_calls.fetch_add(1) + 1;
   return RunOptionStep<20, false>(
       step,
-      {param, nu_max, entry_scales, nu_max_out},
-      {decay != kNoDecay, amsgrad, per_row, 1},
+      {param, nu_max, entry_scales, nu_max_out, decay != kNoDecay, amsgrad, per_row, 1},
       [&](auto r, auto options) {
         using R = decltype(r);
         RowExtras x;
@@ -619,8 +615,7 @@ ffi::Error FusedRowwiseAdamImpl(
   const float* c = coeffs.typed_data();
   return RunOptionStep<7, true>(
       step,
-      {param, nu_max, entry_scales, nu_max_out},
-      {decay != kNoDecay, amsgrad, per_row, 2},
+      {param, nu_max, entry_scales, nu_max_out, decay != kNoDecay, amsgrad, per_row, 2},
       [&](auto r, auto options) {
         using R = decltype(r);
         thread_local std::vector<float> scratch;
@@ -638,12 +633,12 @@ ffi::Error FusedRowwiseAdamImpl(
 }
 
 // param[rows[i]] += values[i] for in-range rows, in input order (XLA's
-// scatter-add order); out-of-range rows (BCOO padding) are dropped.
+// scatter-add order); out-of-range rows (BCOO padding) are dropped. The update's
+// rows and values come first, as a step's gradient does (`RowStepBinding`).
 // `rows_unique` promises no in-range row repeats (sparse_adam's updates).
-ffi::Error ScatterAddRowsImpl(ffi::Buffer<ffi::F32> param, ffi::Buffer<ffi::S32> rows,
-                              ffi::Buffer<ffi::F32> values, int64_t num_rows,
-                              bool rows_unique, ffi::ThreadPool pool,
-                              ffi::ResultBuffer<ffi::F32> out) {
+ffi::Error ScatterAddRowsImpl(ffi::Buffer<ffi::S32> rows, ffi::Buffer<ffi::F32> values,
+                              ffi::Buffer<ffi::F32> param, int64_t num_rows, bool rows_unique,
+                              ffi::ThreadPool pool, ffi::ResultBuffer<ffi::F32> out) {
   const int64_t nse = static_cast<int64_t>(rows.element_count());
   const int64_t row_size = RowSize(param.element_count(), num_rows);
   if (row_size < 0) return ffi::Error::InvalidArgument("param must hold num_rows rows");
@@ -734,9 +729,7 @@ ffi::Error EntryStepsImpl(ffi::Buffer<ffi::S32> rows, ffi::Buffer<ffi::S32> row_
 // The inputs every fused moment step starts with (rows, values, m, v, coefficients,
 // rounding keys).
 auto MomentStepInputs() {
-  return ffi::Ffi::Bind()
-      .Arg<ffi::Buffer<ffi::S32>>()
-      .Arg<ffi::Buffer<ffi::F32>>()
+  return RowStepBinding()
       .Arg<ffi::AnyBuffer>()
       .Arg<ffi::AnyBuffer>()
       .Arg<ffi::Buffer<ffi::F32>>()
@@ -751,22 +744,10 @@ auto OptionStepInputs() {
       .Arg<ffi::Buffer<ffi::F32>>();
 }
 
-// The attributes every fused moment step starts with, after its inputs.
-template <typename Binding>
-auto MomentStepAttrs(Binding&& binding) {
-  return std::move(binding)
-      .template Attr<int64_t>("num_rows")
-      .template Attr<bool>("maximize")
-      .template Attr<bool>("stochastic");
-}
-
-// The thread pool and the outputs of a fused moment step (`MomentStep`'s).
+// The outputs of a fused moment step (`MomentStep`'s): the row step's, then m and v.
 template <typename Binding>
 auto MomentStepOutputs(Binding&& binding) {
-  return std::move(binding)
-      .template Ctx<ffi::ThreadPool>()
-      .template Ret<ffi::Buffer<ffi::S32>>()
-      .template Ret<ffi::Buffer<ffi::F32>>()
+  return RowStepOutputs(std::move(binding))
       .template Ret<ffi::AnyBuffer>()
       .template Ret<ffi::AnyBuffer>();
 }
@@ -780,27 +761,21 @@ auto OptionStepOutputs(Binding&& binding) {
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(OsaFusedAdamF32, FusedAdamImpl,
-                              MomentStepOutputs(MomentStepAttrs(MomentStepInputs())));
+                              MomentStepOutputs(RowStepAttrs(MomentStepInputs())));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(OsaFusedRowwiseAdamF32, FusedRowwiseAdamImpl,
-                              OptionStepOutputs(MomentStepAttrs(OptionStepInputs())
-                                                          .Attr<int64_t>("decay")
-                                                          .Attr<bool>("amsgrad")
-                                                          .Attr<bool>("per_row")));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    OsaFusedRowwiseAdamF32, FusedRowwiseAdamImpl,
+    OptionStepOutputs(
+        Attrs<bool>(RowStepAttrs(OptionStepInputs()).Attr<int64_t>("decay"), "amsgrad", "per_row")));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(OsaFusedAdamOptionsF32, FusedAdamOptionsImpl,
-                              OptionStepOutputs(
-                                  MomentStepAttrs(OptionStepInputs()
-                                                      .Arg<ffi::Buffer<ffi::S32>>()
-                                                      .Arg<ffi::Buffer<ffi::S32>>())
-                                      .Attr<bool>("decoupled")
-                                      .Attr<bool>("catch_up")
-                                      .Attr<bool>("guard_eps")
-                                      .Attr<bool>("given_step_size")
-                                      .Attr<bool>("l2")
-                                      .Attr<bool>("amsgrad")
-                                      .Attr<bool>("per_row"))
-                                  .Ret<ffi::Buffer<ffi::S32>>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    OsaFusedAdamOptionsF32, FusedAdamOptionsImpl,
+    OptionStepOutputs(Attrs<bool>(RowStepAttrs(OptionStepInputs()
+                                                   .Arg<ffi::Buffer<ffi::S32>>()
+                                                   .Arg<ffi::Buffer<ffi::S32>>()),
+                                  "decoupled", "catch_up", "guard_eps", "given_step_size", "l2",
+                                  "amsgrad", "per_row"))
+        .Ret<ffi::Buffer<ffi::S32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(OsaEntryStepsS32, EntryStepsImpl,
                               ffi::Ffi::Bind()
@@ -811,9 +786,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(OsaEntryStepsS32, EntryStepsImpl,
                                   .Ret<ffi::Buffer<ffi::S32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(OsaScatterAddRowsF32, ScatterAddRowsImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
+                              RowStepBinding()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("num_rows")
                                   .Attr<bool>("rows_unique")

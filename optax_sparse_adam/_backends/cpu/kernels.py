@@ -288,7 +288,7 @@ def scatter_add_rows(
   call = jax.ffi.ffi_call(
     _SCATTER_ADD_ROWS,
     jax.ShapeDtypeStruct(table.shape, jnp.float32),
-    input_output_aliases={0: 0},
+    input_output_aliases={2: 0},
     vmap_method=moment_steps.VMAP_METHOD,
   )
-  return call(table, rows, values, num_rows=num_rows, rows_unique=rows_unique)
+  return call(rows, values, table, num_rows=num_rows, rows_unique=rows_unique)

@@ -149,14 +149,14 @@ ffi::Error WithRuleTypes(int64_t rule, ffi::DataType slot_type, bool stochastic,
 // row-wise Adagrad, empty for plain SGD), coeffs f32 (5,) (`RuleCoeffs`), keys
 // u32 (2,) (the slot's stochastic-rounding key of this step and the tables'
 // first global row, read when `stochastic`), param f32 (its own shape; empty
-// without weight decay and max_norm). Attributes: num_rows, rule
-// (`RuleKind`), maximize, stochastic, decay (0 none, 1 L2, 2 decoupled),
+// without weight decay and max_norm). Attributes: num_rows, maximize,
+// stochastic, rule (`RuleKind`), decay (0 none, 1 L2, 2 decoupled),
 // max_norm. Outputs: the distinct rows then padding, their deltas, the slot
 // (aliased to its input, so updated in place when donated).
 ffi::Error RuleStepImpl(ffi::Buffer<ffi::S32> rows, ffi::Buffer<ffi::F32> values,
                         ffi::AnyBuffer slot, ffi::Buffer<ffi::F32> coeffs,
                         ffi::Buffer<ffi::U32> keys, ffi::Buffer<ffi::F32> param,
-                        int64_t num_rows, int64_t rule, bool maximize, bool stochastic,
+                        int64_t num_rows, bool maximize, bool stochastic, int64_t rule,
                         int64_t decay, bool max_norm, ffi::ThreadPool pool,
                         ffi::ResultBuffer<ffi::S32> distinct_rows,
                         ffi::ResultBuffer<ffi::F32> delta, ffi::Result<ffi::AnyBuffer> slot_out) {
@@ -218,20 +218,12 @@ ffi::Error RuleStepImpl(ffi::Buffer<ffi::S32> rows, ffi::Buffer<ffi::F32> values
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(OsaRuleStepF32, RuleStepImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::U32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Attr<int64_t>("num_rows")
-                                  .Attr<int64_t>("rule")
-                                  .Attr<bool>("maximize")
-                                  .Attr<bool>("stochastic")
-                                  .Attr<int64_t>("decay")
-                                  .Attr<bool>("max_norm")
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
+                              RowStepOutputs(RowStepAttrs(RowStepBinding()
+                                                              .Arg<ffi::AnyBuffer>()
+                                                              .Arg<ffi::Buffer<ffi::F32>>()
+                                                              .Arg<ffi::Buffer<ffi::U32>>()
+                                                              .Arg<ffi::Buffer<ffi::F32>>())
+                                                 .Attr<int64_t>("rule")
+                                                 .Attr<int64_t>("decay")
+                                                 .Attr<bool>("max_norm"))
                                   .Ret<ffi::AnyBuffer>());
