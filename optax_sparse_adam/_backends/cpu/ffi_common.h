@@ -190,31 +190,52 @@ inline uint32_t RowKey(uint32_t slot_key, int64_t row) {
   return Fmix32(slot_key ^ (static_cast<uint32_t>(row) * 0x85EBCA77u));
 }
 
+// The multiplier of an element's index in its stochastic-rounding hash
+// (`rounding._ELEMENT_MULTIPLIER`).
+constexpr uint32_t kElementMultiplier = 0xC2B2AE3Du;
+
+// The 16 random bits of stochastic rounding for element j of a row
+// (`rounding.random_bits`): the top half of `Fmix32(row_key ^ j_mixed)`, where
+// `j_mixed` is `j * kElementMultiplier` (32-bit wrapping). Fmix32's last step,
+// `x ^ (x >> 16)`, leaves the top half as it is, so it is skipped. Row loops
+// count `j_mixed` in a uint32_t of their own, adding the multiplier each
+// element: vectorized, that is one add in 32-bit lanes, where `j * multiplier`
+// of the loop's int64_t index took a multiply and shuffles narrowing its lanes.
+inline uint32_t StochasticBits(uint32_t row_key, uint32_t j_mixed) {
+  uint32_t x = row_key ^ j_mixed;
+  x ^= x >> 16;
+  x *= 0x85EBCA6Bu;
+  x ^= x >> 13;
+  x *= 0xC2B2AE35u;
+  return x >> 16;
+}
+
 // Stores `x` in `*dst`'s format and returns the stored value. For bfloat16,
-// `kStochastic` rounds with the bits hashed from `row_key` and the element `j`,
+// `kStochastic` rounds with the bits hashed from `row_key` and the element's
+// `j_mixed` (`StochasticBits`),
 // else to nearest, ties to even. Branch-free but for the template switch, so
 // the row loops vectorize: an inf's low 16 bits are zero, so adding at most
 // 0xFFFF keeps it inf; only NaN is replaced, by the quiet NaN of its sign, as
-// XLA converts it.
+// XLA converts it (NaN: magnitude bits above inf's, compared as int32, which
+// AVX2 compares in one instruction, unlike uint32).
 template <bool kStochastic>
-inline uint16_t Bf16Bits(float x, uint32_t row_key, int64_t j) {
+inline uint16_t Bf16Bits(float x, uint32_t row_key, uint32_t j_mixed) {
   uint32_t word;
   std::memcpy(&word, &x, sizeof(word));
-  const uint32_t add = kStochastic
-      ? Fmix32(row_key ^ (static_cast<uint32_t>(j) * 0xC2B2AE3Du)) >> 16
-      : 0x7FFFu + ((word >> 16) & 1u);
+  const uint32_t add = kStochastic ? StochasticBits(row_key, j_mixed) : 0x7FFFu + ((word >> 16) & 1u);
   const uint32_t rounded = (word + add) >> 16;
   const uint32_t quiet_nan = ((word >> 16) & 0x8000u) | 0x7FC0u;
-  return static_cast<uint16_t>((word & 0x7FFFFFFFu) > 0x7F800000u ? quiet_nan : rounded);
+  const bool nan = static_cast<int32_t>(word & 0x7FFFFFFFu) > 0x7F800000;
+  return static_cast<uint16_t>(nan ? quiet_nan : rounded);
 }
 template <bool kStochastic>
-inline float StoreMoment(float* dst, float x, uint32_t, int64_t) {
+inline float StoreMoment(float* dst, float x, uint32_t, uint32_t) {
   *dst = x;
   return x;
 }
 template <bool kStochastic>
-inline float StoreMoment(uint16_t* dst, float x, uint32_t row_key, int64_t j) {
-  const uint16_t bits = Bf16Bits<kStochastic>(x, row_key, j);
+inline float StoreMoment(uint16_t* dst, float x, uint32_t row_key, uint32_t j_mixed) {
+  const uint16_t bits = Bf16Bits<kStochastic>(x, row_key, j_mixed);
   *dst = bits;
   return ToFloat(bits);
 }

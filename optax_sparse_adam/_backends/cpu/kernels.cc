@@ -95,7 +95,8 @@ OSA_MULTIVERSIONED_TEMPLATE void AdamRow(
   if constexpr (kDecay != kNoDecay || kCatchUp) x = *extras;
   const float* __restrict__ p = x.p;
   const uint32_t unguarded = x.guard_eps ? 0u : 0xFFFFFFFFu;
-  for (int64_t j = 0; j < row_size; ++j) {
+  uint32_t e = 0;  // j * kElementMultiplier, for stochastic rounding (`StochasticBits`)
+  for (int64_t j = 0; j < row_size; ++j, e += kElementMultiplier) {
     const float g_given = g[j];
     float gj;
     if constexpr (kBranchFree) {
@@ -130,10 +131,10 @@ OSA_MULTIVERSIONED_TEMPLATE void AdamRow(
         pj = pj + shift;
       }
     }
-    const float m_new = StoreMoment<kStochastic>(&m[j], mj + (gj - mj) * one_minus_b1, m_key, j);
+    const float m_new = StoreMoment<kStochastic>(&m[j], mj + (gj - mj) * one_minus_b1, m_key, e);
     const float g_squared = (kBranchFree && kDecay != kL2) ? g_given * g_given : gj * gj;
     const float v_new =
-        StoreMoment<kStochastic>(&v[j], vj + (g_squared - vj) * one_minus_b2, v_key, j);
+        StoreMoment<kStochastic>(&v[j], vj + (g_squared - vj) * one_minus_b2, v_key, e);
     float second = v_new;
     if constexpr (kAmsgrad) second = StoreMax(&vmax[j], ToFloat(vmax[j]), v_new);
     float delta = neg_step_size * (m_new / (std::sqrt(second) + eps));
@@ -317,17 +318,18 @@ inline float DecayedSum(const CatchUpBase& x, float log_d, float k) {
   return std::exp(lead) * geometric;
 }
 
-// The window's step size at its centroid (`catch_up._centroid`,
-// `adam.bias_corrected_step_size`), or the step size given.
-inline float CentroidStepSize(const CatchUpConstants& c, const CatchUpBase& x, int32_t last,
-                              float k) {
-  if (c.given_step_size) return c.step_size;
-  const float x_k = PowOf(x.log_x, k);
+// The window's centroid step `t` (`catch_up._centroid`) for a base whose k-th
+// power is `x_k`.
+inline float CentroidStep(const CatchUpBase& x, int32_t last, float k, float x_k) {
   const float safe = x_k == 1.0f ? 1.0f : 1.0f - x_k;
   float centroid = 1.0f / x.one_minus_x - k * x_k / safe;
   centroid = std::nearbyint(std::isfinite(centroid) ? centroid : 1.0f);  // ties to even
   centroid = std::min(std::max(centroid, 1.0f), std::max(k, 1.0f));
-  const float t = static_cast<float>(last) + centroid;
+  return static_cast<float>(last) + centroid;
+}
+
+// The step size at step `t` (`adam.bias_corrected_step_size`).
+inline float StepSizeAt(const CatchUpConstants& c, float t) {
   const float bias_correction1 = -std::expm1(t * c.log_b1);
   const float bias_correction2 = -std::expm1(t * c.log_b2);
   return c.lr * std::sqrt(bias_correction2) / bias_correction1;
@@ -339,32 +341,52 @@ struct CatchUpRow {
   float pow_b1, pow_b2, by_b1, by_r, decay_minus_one;
 };
 
+// The same values as computing each factor on its own (`catch_up.idle_rows`),
+// with each exp or expm1 of the same argument taken once: b1^k is both the
+// moment's decay and b1's power in its centroid, and the two bases' centroids
+// often fall on the same step, which then shares its bias corrections.
 CatchUpRow CatchUpRowOf(const CatchUpConstants& c, int32_t last) {
   const int32_t idle = std::max(c.step - 1 - last, 0);
   const float k = static_cast<float>(idle);
-  CatchUpRow row{last, PowOf(c.log_b1, k), PowOf(c.log_b2, k), 0.0f, 0.0f, 0.0f};
-  row.by_b1 = CentroidStepSize(c, c.b1, last, k) * DecayedSum(c.b1, c.log_d, k);
-  row.by_r = CentroidStepSize(c, c.r, last, k) * DecayedSum(c.r, c.log_d, k);
+  const float pow_b1 = PowOf(c.log_b1, k);
+  CatchUpRow row{last, pow_b1, PowOf(c.log_b2, k), 0.0f, 0.0f, 0.0f};
+  float size_b1 = c.step_size, size_r = c.step_size;
+  if (!c.given_step_size) {
+    const float b1_k = c.b1.log_x == c.log_b1 ? pow_b1 : PowOf(c.b1.log_x, k);
+    const float t_b1 = CentroidStep(c.b1, last, k, b1_k);
+    const float t_r = CentroidStep(c.r, last, k, PowOf(c.r.log_x, k));
+    size_b1 = StepSizeAt(c, t_b1);
+    size_r = t_r == t_b1 ? size_b1 : StepSizeAt(c, t_r);
+  }
+  row.by_b1 = size_b1 * DecayedSum(c.b1, c.log_d, k);
+  row.by_r = size_r * DecayedSum(c.r, c.log_d, k);
   if (c.decoupled) row.decay_minus_one = k == 0.0f ? 0.0f : std::expm1(k * c.log_d);
   return row;
 }
 
 // Rows idle since the same step share their values (all rows never touched, all
-// rows touched at the last step): a small cache per thread, keyed by the last
-// step, emptied at each call.
-constexpr int kCatchUpCacheSize = 256;
+// rows touched at the last step, rows touched in the same earlier step): a cache
+// per thread, keyed by the last step, its entries tagged with the call that
+// computed them. Large enough for the idle counts of one step's rows (uniform ids
+// over 1M rows at B = 4,096 spread over about a thousand), so each is computed
+// about once per thread and call.
+constexpr int kCatchUpCacheSize = 4096;
 std::atomic<uint64_t> catch_up_calls{0};
 
+struct CatchUpCacheEntry {
+  uint64_t call = 0;  // calls count from 1
+  CatchUpRow row;
+};
+
 const CatchUpRow& CachedCatchUpRow(const CatchUpConstants& c, int32_t last, uint64_t call) {
-  thread_local uint64_t cache_call = 0;
-  thread_local CatchUpRow cache[kCatchUpCacheSize];
-  if (cache_call != call) {
-    cache_call = call;
-    for (CatchUpRow& entry : cache) entry.last = -1;  // steps are >= 0
+  thread_local std::unique_ptr<CatchUpCacheEntry[]> cache;
+  if (!cache) cache.reset(new CatchUpCacheEntry[kCatchUpCacheSize]);
+  CatchUpCacheEntry& entry = cache[static_cast<uint32_t>(last) % kCatchUpCacheSize];
+  if (entry.call != call || entry.row.last != last) {
+    entry.call = call;
+    entry.row = CatchUpRowOf(c, last);
   }
-  CatchUpRow& entry = cache[static_cast<uint32_t>(last) % kCatchUpCacheSize];
-  if (entry.last != last || last < 0) entry = CatchUpRowOf(c, last);
-  return entry;
+  return entry.row;
 }
 
 // The buffers of the pipeline's options around a rule (`xla.masked_step`), read
@@ -581,9 +603,10 @@ OSA_MULTIVERSIONED_TEMPLATE void RowwiseAdamRow(
       StoreMoment<kStochastic>(v, v_old + (mean_square - v_old) * one_minus_b2, v_key, 0);
   const float second = vmax == nullptr ? v_new : StoreMax(vmax, ToFloat(*vmax), v_new);
   const float neg_rate = (-lr_over_bc1) / (std::sqrt(second * inv_bc2) + eps);
-  for (int64_t j = 0; j < row_size; ++j) {
+  uint32_t e = 0;  // j * kElementMultiplier, for stochastic rounding (`StochasticBits`)
+  for (int64_t j = 0; j < row_size; ++j, e += kElementMultiplier) {
     const float mj = ToFloat(m[j]);
-    const float m_new = StoreMoment<kStochastic>(&m[j], mj + (g[j] - mj) * one_minus_b1, m_key, j);
+    const float m_new = StoreMoment<kStochastic>(&m[j], mj + (g[j] - mj) * one_minus_b1, m_key, e);
     // Where both are NaN, XLA's product keeps the moment's (GCC would pick either);
     // chosen by a bit mask, so that the loop stays vectorized.
     const uint32_t m_nan = 0u - static_cast<uint32_t>(m_new != m_new);

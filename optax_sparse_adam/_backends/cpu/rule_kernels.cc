@@ -78,7 +78,8 @@ OSA_MULTIVERSIONED_TEMPLATE void RuleRow(float* __restrict__ g, T* __restrict__ 
   } else {
     const float neg_lr = -c.a;
     const float signed_lr = WithBits(Bits(neg_lr) ^ sign_flip);  // -lr, or lr if maximize
-    for (int64_t j = 0; j < row_size; ++j) {
+    uint32_t e = 0;  // j * kElementMultiplier, for stochastic rounding (`StochasticBits`)
+    for (int64_t j = 0; j < row_size; ++j, e += kElementMultiplier) {
       const float g_given = g[j];
       float gj = WithBits(Bits(g_given) ^ sign_flip);
       if constexpr (kDecay == kL2) gj = gj + c.decay * p[j];
@@ -87,11 +88,11 @@ OSA_MULTIVERSIONED_TEMPLATE void RuleRow(float* __restrict__ g, T* __restrict__ 
       if constexpr (kRule == kSgd) {
         delta = kDecay == kL2 ? neg_lr * gj : signed_lr * g_given;
       } else if constexpr (kRule == kAdagrad) {
-        const float total = StoreMoment<kStochastic>(&s[j], ToFloat(s[j]) + g_squared, key, j);
+        const float total = StoreMoment<kStochastic>(&s[j], ToFloat(s[j]) + g_squared, key, e);
         delta = neg_lr * (gj / (std::sqrt(total) + c.b));
       } else {
         float direction =
-            StoreMoment<kStochastic>(&s[j], ToFloat(s[j]) * c.b + gj * c.c, key, j);
+            StoreMoment<kStochastic>(&s[j], ToFloat(s[j]) * c.b + gj * c.c, key, e);
         if constexpr (kRule == kSgdNesterov) direction = gj + direction * c.b;
         delta = neg_lr * direction;
       }
