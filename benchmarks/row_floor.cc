@@ -62,8 +62,8 @@ void StepRow(const Option& opt, float* d, T* m, T* v, T* vm, const RowExtras* x,
   constexpr bool kBf16 = std::is_same_v<T, uint16_t>;
   const auto run = [&](auto decay, auto catch_up, auto amsgrad) {
     AdamRow<T, T, kBf16, decltype(decay)::value, decltype(catch_up)::value,
-            decltype(amsgrad)::value>(d, m, v, D, false, .1f, .001f, 1e-8f, -1e-3f, 0x1234u,
-                                      0x5678u, x, vm);
+            decltype(amsgrad)::value>(d, m, v, D, false, .1f, .001f, 1e-8f, -1e-3f, 0x1234u, x,
+                                      vm);
   };
   WithOptions(opt.param ? kDecoupled : kNoDecay, opt.catch_up, opt.amsgrad, run);
 }

@@ -9,16 +9,24 @@ Stochastic rounding rounds up with probability equal to the dropped fraction,
 so the stored moment is unbiased: `E[round(x)] = x`, and small updates
 accumulate in expectation.
 
-The random bits come from a counter-based hash, not a PRNG state: for slot
-`s`, the parameter's step count `t`, row `r` and element `j` of the row,
+The random bits come from a counter-based hash, not a PRNG state. Slots go
+in pairs, `(0, 1)`, `(2, 3)`, ... (Adam's mu and nu); a rounding needs 16
+random bits and the hash gives 32, so a pair shares one hash. For the pair's
+first slot `p` (even), the parameter's step count `t`, row `r` and element
+`j` of the row,
 
-  a = fmix32(t * 0x9E3779B9 + (s + 1) * 0x27D4EB2F)      (per step and slot)
+  a = fmix32(t * 0x9E3779B9 + (p + 1) * 0x27D4EB2F)      (per step and pair)
   b = fmix32(a ^ (r * 0x85EBCA77))                       (per row)
-  u = fmix32(b ^ (j * 0xC2B2AE3D)) >> 16                 (16 random bits)
+  h = fmix32(b ^ (j * 0xC2B2AE3D))                       (32 bits per element)
+  u = h >> 16          (slot p: 16 random bits)
+  u = h & 0xFFFF       (slot p + 1)
   bf16 bits = (f32 bits + u) >> 16                       (finite values; NaN and
                                                           inf round to nearest)
 
-with 32-bit wrapping arithmetic and `fmix32` MurmurHash3's finalizer. `r` is
+with 32-bit wrapping arithmetic and `fmix32` MurmurHash3's finalizer (whose
+last `x ^ (x >> 16)` mixes the low half). A one-slot rule's slot is slot 0:
+it takes `h >> 16`. A per-row slot (row-wise Adam's nu) has one element,
+`j = 0`. `r` is
 the global row: a shard of a row-split table adds its first row
 (`StepInputs.row_offset`), so a routed step draws one device's bits. Two runs
 give the same bits, and a run resumed from a checkpoint (which holds the step
@@ -67,19 +75,27 @@ def step_key(step: jax.Array, slot_index: int) -> jax.Array:
 
 
 def random_bits(
-  key: jax.Array, rows: jax.Array, row_size: int, row_offset: jax.Array | None = None
+  key: jax.Array,
+  rows: jax.Array,
+  row_size: int,
+  row_offset: jax.Array | None = None,
+  *,
+  low: bool = False,
 ) -> jax.Array:
   """16 random bits (as uint32) per element of `(n, row_size)` rows, from a step key.
 
   `row_offset` (int32 scalar, or None: 0) is added to `rows`: a shard's rows
-  then hash as the global rows they are.
+  then hash as the global rows they are. The bits are the element hash's top
+  half (`h >> 16`), or with `low` its low half (`h & 0xFFFF`: a pair's second
+  slot).
   """
   r = rows.astype(jnp.uint32)
   if row_offset is not None:
     r = r + jnp.asarray(row_offset).astype(jnp.uint32)
   row_keys = fmix32(key ^ (r * np.uint32(_ROW_MULTIPLIER)))
   elements = lax.iota(jnp.uint32, row_size) * np.uint32(_ELEMENT_MULTIPLIER)
-  return fmix32(row_keys[:, None] ^ elements[None, :]) >> 16
+  h = fmix32(row_keys[:, None] ^ elements[None, :])
+  return h & np.uint32(0xFFFF) if low else h >> 16
 
 
 def stochastic_round_to_bf16(x: jax.Array, bits16: jax.Array) -> jax.Array:
@@ -133,7 +149,8 @@ def slot_store(
   Args:
     rounding: "nearest" (`astype`) or "stochastic" (bf16 slots only; wider
       slots are stored exactly as with "nearest").
-    slot_names: the rule's slots, in order (a slot's position salts its key).
+    slot_names: the rule's slots, in order (a slot's position picks its pair's
+      key and its half of the pair's hash).
     dtypes: each slot's storage dtype.
     step: the parameter's step count of this step (needed for "stochastic").
     rows: int32 `(n,)` the rows of the block (the key's row counter).
@@ -149,7 +166,10 @@ def slot_store(
       raise ValueError("stochastic rounding needs the parameter's step count")
     n = x.shape[0]
     row_size = int(np.prod(x.shape[1:], dtype=np.int64))
-    bits = random_bits(step_key(step, slot_names.index(name)), rows, row_size, row_offset)
+    index = slot_names.index(name)
+    # A pair shares one hash: the second slot takes its low half (see the module docstring).
+    key = step_key(step, index - index % 2)
+    bits = random_bits(key, rows, row_size, row_offset, low=index % 2 == 1)
     return stochastic_round_to_bf16(x.reshape(n, row_size), bits).reshape(x.shape)
 
   return store

@@ -39,13 +39,18 @@ def _fmix32(x):
   return x ^ (x >> np.uint32(16))
 
 
-def _numpy_random16(step, slot, rows, row_size):
-  """The documented hash: 16 random bits for each element of each row, in NumPy."""
+def _numpy_hash32(step, pair, rows, row_size):
+  """The documented hash `h`: 32 bits for each element of each row, in NumPy."""
   with np.errstate(over="ignore"):
-    a = _fmix32(np.uint32((step * 0x9E3779B9 + (slot + 1) * 0x27D4EB2F) & 0xFFFFFFFF))
+    a = _fmix32(np.uint32((step * 0x9E3779B9 + (pair + 1) * 0x27D4EB2F) & 0xFFFFFFFF))
     b = _fmix32(a ^ (np.asarray(rows, np.uint32) * np.uint32(0x85EBCA77)))
     j = np.arange(row_size, dtype=np.uint32) * np.uint32(0xC2B2AE3D)
-    return _fmix32(b[:, None] ^ j[None, :]) >> np.uint32(16)
+    return _fmix32(b[:, None] ^ j[None, :])
+
+
+def _numpy_random16(step, slot, rows, row_size):
+  """The documented bits of a pair's first slot (or a one-slot rule's): `h >> 16`."""
+  return _numpy_hash32(step, slot, rows, row_size) >> np.uint32(16)
 
 
 def _numpy_stochastic_bf16(x, random16):
@@ -81,6 +86,39 @@ def test_first_step_bits_follow_the_documented_hash(path, jit):
   np.testing.assert_array_equal(mu_bits[rows], expected)
   untouched = np.setdiff1d(np.arange(num_rows), rows)
   np.testing.assert_array_equal(mu_bits[untouched], 0)
+
+
+@pytest.mark.parametrize(
+  "path, rowwise", [("default", False), ("xla_ops", False), ("default", True)]
+)
+def test_a_pair_shares_one_hash_nu_takes_its_low_half(path, rowwise):
+  """mu rounds with `h >> 16` and nu with `h & 0xFFFF` of one element hash `h` (slot 0's).
+
+  The unrounded float32 moments come from the same first step with float32
+  moments (from zero moments, the stored float32 value is the one that bf16
+  rounds); `h` is recomputed in NumPy from the documented formula. Row-wise
+  Adam's nu (one value per row) takes element 0's hash.
+  """
+  num_rows, dim, step = 16, 8, 1
+  rows = np.array([11, 2, 7])
+  g = np.random.default_rng(1).standard_normal((len(rows), dim)).astype(np.float32)
+  grad = sparse.BCOO((jnp.asarray(g), jnp.asarray(rows, jnp.int32)[:, None]), shape=(num_rows, dim))
+  params = {"t": jnp.zeros((num_rows, dim))}
+
+  def first_state(**kwargs):
+    opt = osa.sparse_adam(1e-2, rowwise_second_moment=rowwise, **kwargs)
+    with _path(path):
+      return jax.jit(opt.update)({"t": grad}, opt.init(params), params)[1]
+
+  exact = first_state()
+  stored = first_state(mu_dtype=jnp.bfloat16, nu_dtype=jnp.bfloat16, moment_rounding="stochastic")
+  h = _numpy_hash32(step, 0, rows, dim)
+  for name, bits in (("mu", h >> np.uint32(16)), ("nu", h & np.uint32(0xFFFF))):
+    want = np.asarray(getattr(exact, name)["t"])[rows]
+    got = np.asarray(getattr(stored, name)["t"]).view(np.uint16)[rows]
+    if want.ndim == 1:  # row-wise nu
+      bits = bits[:, 0]
+    np.testing.assert_array_equal(got, _numpy_stochastic_bf16(want, bits), err_msg=name)
 
 
 # Values between two bf16 neighbours, at several fractions of the gap.

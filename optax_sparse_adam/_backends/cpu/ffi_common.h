@@ -194,13 +194,21 @@ inline uint32_t RowKey(uint32_t slot_key, int64_t row) {
 // (`rounding._ELEMENT_MULTIPLIER`).
 constexpr uint32_t kElementMultiplier = 0xC2B2AE3Du;
 
-// The 16 random bits of stochastic rounding for element j of a row
-// (`rounding.random_bits`): the top half of `Fmix32(row_key ^ j_mixed)`, where
-// `j_mixed` is `j * kElementMultiplier` (32-bit wrapping). Fmix32's last step,
-// `x ^ (x >> 16)`, leaves the top half as it is, so it is skipped. Row loops
-// count `j_mixed` in a uint32_t of their own, adding the multiplier each
-// element: vectorized, that is one add in 32-bit lanes, where `j * multiplier`
-// of the loop's int64_t index took a multiply and shuffles narrowing its lanes.
+// The 32-bit stochastic-rounding hash of element j of a row
+// (`rounding.element_hash`): `Fmix32(row_key ^ j_mixed)`, where `j_mixed` is
+// `j * kElementMultiplier` (32-bit wrapping). Row loops count `j_mixed` in a
+// uint32_t of their own, adding the multiplier each element: vectorized, that
+// is one add in 32-bit lanes, where `j * multiplier` of the loop's int64_t
+// index took a multiply and shuffles narrowing its lanes. A pair of slots
+// (Adam's mu and nu) rounds with one hash: the first slot with its top 16
+// bits, the second with its low 16 (`PairBits`).
+inline uint32_t ElementHash(uint32_t row_key, uint32_t j_mixed) {
+  return Fmix32(row_key ^ j_mixed);
+}
+
+// The 16 random bits of a one-slot rule's element (`ElementHash`'s top half).
+// Fmix32's last step, `x ^ (x >> 16)`, leaves the top half as it is, so it is
+// skipped.
 inline uint32_t StochasticBits(uint32_t row_key, uint32_t j_mixed) {
   uint32_t x = row_key ^ j_mixed;
   x ^= x >> 16;
@@ -210,34 +218,43 @@ inline uint32_t StochasticBits(uint32_t row_key, uint32_t j_mixed) {
   return x >> 16;
 }
 
+// The 16 random bits of each slot of a pair, from the element's hash `h`.
+inline uint32_t FirstOfPairBits(uint32_t h) { return h >> 16; }
+inline uint32_t SecondOfPairBits(uint32_t h) { return h & 0xFFFFu; }
+
 // Stores `x` in `*dst`'s format and returns the stored value. For bfloat16,
-// `kStochastic` rounds with the bits hashed from `row_key` and the element's
-// `j_mixed` (`StochasticBits`),
-// else to nearest, ties to even. Branch-free but for the template switch, so
-// the row loops vectorize: an inf's low 16 bits are zero, so adding at most
-// 0xFFFF keeps it inf; only NaN is replaced, by the quiet NaN of its sign, as
-// XLA converts it (NaN: magnitude bits above inf's, compared as int32, which
-// AVX2 compares in one instruction, unlike uint32).
+// `kStochastic` rounds with the 16 random bits `bits16` (`StochasticBits`,
+// `FirstOfPairBits`, `SecondOfPairBits`), else to nearest, ties to even.
+// Branch-free but for the template switch, so the row loops vectorize: an
+// inf's low 16 bits are zero, so adding at most 0xFFFF keeps it inf; only NaN
+// is replaced, by the quiet NaN of its sign, as XLA converts it (NaN: magnitude
+// bits above inf's, compared as int32, which AVX2 compares in one instruction,
+// unlike uint32).
 template <bool kStochastic>
-inline uint16_t Bf16Bits(float x, uint32_t row_key, uint32_t j_mixed) {
+inline uint16_t Bf16Bits(float x, uint32_t bits16) {
   uint32_t word;
   std::memcpy(&word, &x, sizeof(word));
-  const uint32_t add = kStochastic ? StochasticBits(row_key, j_mixed) : 0x7FFFu + ((word >> 16) & 1u);
+  const uint32_t add = kStochastic ? bits16 : 0x7FFFu + ((word >> 16) & 1u);
   const uint32_t rounded = (word + add) >> 16;
   const uint32_t quiet_nan = ((word >> 16) & 0x8000u) | 0x7FC0u;
   const bool nan = static_cast<int32_t>(word & 0x7FFFFFFFu) > 0x7F800000;
   return static_cast<uint16_t>(nan ? quiet_nan : rounded);
 }
 template <bool kStochastic>
-inline float StoreMoment(float* dst, float x, uint32_t, uint32_t) {
+inline float StoreMomentBits(float* dst, float x, uint32_t) {
   *dst = x;
   return x;
 }
 template <bool kStochastic>
-inline float StoreMoment(uint16_t* dst, float x, uint32_t row_key, uint32_t j_mixed) {
-  const uint16_t bits = Bf16Bits<kStochastic>(x, row_key, j_mixed);
+inline float StoreMomentBits(uint16_t* dst, float x, uint32_t bits16) {
+  const uint16_t bits = Bf16Bits<kStochastic>(x, bits16);
   *dst = bits;
   return ToFloat(bits);
+}
+// `StoreMomentBits` with a one-slot rule's bits of the element (`StochasticBits`).
+template <bool kStochastic, typename T>
+inline float StoreMoment(T* dst, float x, uint32_t row_key, uint32_t j_mixed) {
+  return StoreMomentBits<kStochastic>(dst, x, kStochastic ? StochasticBits(row_key, j_mixed) : 0u);
 }
 
 // Weight decay, as `StepConfig.weight_decay`: none, L2 (`g += wd * p`, before

@@ -38,7 +38,7 @@ namespace {
 
 // `x` rounded to nearest in the format of `T` (`astype`), as a float.
 inline float RoundedAs(float x, const float*) { return x; }
-inline float RoundedAs(float x, const uint16_t*) { return ToFloat(Bf16Bits<false>(x, 0, 0)); }
+inline float RoundedAs(float x, const uint16_t*) { return ToFloat(Bf16Bits<false>(x, 0u)); }
 
 // What the pipeline does around the rule for one row (`xla.masked_step`): weight
 // decay (`decay`: wd for L2, lr * wd decoupled; the row of the parameter `p`),
@@ -80,7 +80,7 @@ template <typename MuT, typename NuT, bool kStochastic, int kDecay = kNoDecay,
 OSA_MULTIVERSIONED_TEMPLATE void AdamRow(
     float* __restrict__ g, MuT* __restrict__ m, NuT* __restrict__ v, int64_t row_size,
     bool maximize, float one_minus_b1, float one_minus_b2, float eps, float neg_step_size,
-    uint32_t m_key, uint32_t v_key, const RowExtras* extras = nullptr,
+    uint32_t key, const RowExtras* extras = nullptr,
     NuT* __restrict__ vmax = nullptr) {
   // GCC unswitches the loop on `maximize`, and then gives up vectorizing the
   // larger bf16 and catch-up loops: there maximize flips a sign bit instead (a
@@ -95,7 +95,7 @@ OSA_MULTIVERSIONED_TEMPLATE void AdamRow(
   if constexpr (kDecay != kNoDecay || kCatchUp) x = *extras;
   const float* __restrict__ p = x.p;
   const uint32_t unguarded = x.guard_eps ? 0u : 0xFFFFFFFFu;
-  uint32_t e = 0;  // j * kElementMultiplier, for stochastic rounding (`StochasticBits`)
+  uint32_t e = 0;  // j * kElementMultiplier, for stochastic rounding (`ElementHash`)
   for (int64_t j = 0; j < row_size; ++j, e += kElementMultiplier) {
     const float g_given = g[j];
     float gj;
@@ -131,10 +131,13 @@ OSA_MULTIVERSIONED_TEMPLATE void AdamRow(
         pj = pj + shift;
       }
     }
-    const float m_new = StoreMoment<kStochastic>(&m[j], mj + (gj - mj) * one_minus_b1, m_key, e);
+    // One hash for both moments: mu rounds with its top half, nu with its low half.
+    const uint32_t h = kStochastic ? ElementHash(key, e) : 0u;
+    const float m_new =
+        StoreMomentBits<kStochastic>(&m[j], mj + (gj - mj) * one_minus_b1, FirstOfPairBits(h));
     const float g_squared = (kBranchFree && kDecay != kL2) ? g_given * g_given : gj * gj;
-    const float v_new =
-        StoreMoment<kStochastic>(&v[j], vj + (g_squared - vj) * one_minus_b2, v_key, e);
+    const float v_new = StoreMomentBits<kStochastic>(
+        &v[j], vj + (g_squared - vj) * one_minus_b2, SecondOfPairBits(h));
     float second = v_new;
     if constexpr (kAmsgrad) second = StoreMax(&vmax[j], ToFloat(vmax[j]), v_new);
     float delta = neg_step_size * (m_new / (std::sqrt(second) + eps));
@@ -171,10 +174,10 @@ ffi::Error WithMomentTypes(ffi::DataType mu, ffi::DataType nu, bool stochastic, 
 // rows of `row_size` contiguous values. Inputs: rows int32 (nse,), values f32
 // (nse, ...) of nse * row_size values, mu (a table) and nu (a table, or one
 // value per row) in f32 or bf16, coeffs f32 = (1 - b1, 1 - b2, eps, then the
-// rule's), keys u32 (3,): mu's and nu's keys of this step for stochastic
-// rounding (`rounding.step_key`) and the tables' first global row (added to a
-// row in its key: a shard hashes global rows), read when `stochastic` (bf16
-// tables only).
+// rule's), keys u32 (2,): mu's key of this step for stochastic rounding
+// (`rounding.step_key`; nu rounds with the low half of mu's element hash) and
+// the tables' first global row (added to a row in its key: a shard hashes
+// global rows), read when `stochastic` (bf16 tables only).
 // Outputs: as `CoalescedRowsStep`; mu and nu, updated in the touched rows
 // (aliased to the inputs, so in place when donated).
 struct MomentStep {
@@ -200,7 +203,7 @@ struct NoPrefetch {
 // One distinct row of a step, as an update sees it: its index, the position of
 // its first gradient entry, typed pointers to its moments (`Mu`, `Nu`: float or
 // uint16_t for bfloat16), its summed gradient `g` (to be turned into its delta),
-// the values in a row and the row's stochastic-rounding keys.
+// the values in a row and the row's stochastic-rounding key (mu's; nu uses its hash too).
 template <typename MuT, typename NuT, bool kStochasticRounding>
 struct MomentRow {
   using Mu = MuT;
@@ -212,8 +215,7 @@ struct MomentRow {
   NuT* v;
   float* g;
   int64_t size;
-  uint32_t m_key;
-  uint32_t v_key;
+  uint32_t key;
 };
 
 // Checks a step's buffers, starts undonated outputs from the inputs, and runs
@@ -234,13 +236,12 @@ ffi::Error RunMomentStep(MomentStep& step, Update update, Prefetch prefetch = Pr
   if (static_cast<int64_t>(step.coeffs.element_count()) != kNumCoeffs) {
     return ffi::Error::InvalidArgument("coeffs has the wrong size for this rule");
   }
-  if (step.keys.element_count() != 3) return ffi::Error::InvalidArgument("keys must be (3,)");
+  if (step.keys.element_count() != 2) return ffi::Error::InvalidArgument("keys must be (2,)");
   // Without donation XLA gives fresh output buffers: start from the inputs.
   CopyIfNotAliased(step.mu, step.mu_out);
   CopyIfNotAliased(step.nu, step.nu_out);
   const uint32_t mu_key = step.keys.typed_data()[0];
-  const uint32_t nu_key = step.keys.typed_data()[1];
-  const uint32_t row_offset = step.keys.typed_data()[2];
+  const uint32_t row_offset = step.keys.typed_data()[1];
   const auto run = [&](auto mu_t, auto nu_t, auto rounding) {
     using MuT = decltype(mu_t);
     using NuT = decltype(nu_t);
@@ -258,8 +259,7 @@ ffi::Error RunMomentStep(MomentStep& step, Update update, Prefetch prefetch = Pr
         [&](int64_t row, int64_t entry, float* g) {
           update(MomentRow<MuT, NuT, kStochastic>{
               row, entry, m + row * row_size, v + row * nu_row_size, g, row_size,
-              kStochastic ? RowKey(mu_key, row + row_offset) : 0u,
-              kStochastic ? RowKey(nu_key, row + row_offset) : 0u});
+              kStochastic ? RowKey(mu_key, row + row_offset) : 0u});
         });
     return ffi::Error::Success();
   };
@@ -281,7 +281,7 @@ ffi::Error FusedAdamImpl(ffi::Buffer<ffi::S32> rows, ffi::Buffer<ffi::F32> value
       step, [&](auto r) {
         using R = decltype(r);
         AdamRow<typename R::Mu, typename R::Nu, R::kStochastic>(
-            r.g, r.m, r.v, r.size, maximize, c[0], c[1], c[2], neg_step_size, r.m_key, r.v_key);
+            r.g, r.m, r.v, r.size, maximize, c[0], c[1], c[2], neg_step_size, r.key);
       });
 }
 
@@ -572,8 +572,8 @@ ffi::Error FusedAdamOptionsImpl(
         WithOptions(decay, catch_up, options.vmax != nullptr, [&](auto d, auto caught, auto ams) {
           AdamRow<typename R::Mu, typename R::Nu, R::kStochastic, decltype(d)::value,
                   decltype(caught)::value, decltype(ams)::value>(
-              r.g, r.m, r.v, r.size, maximize, c[0], c[1], c[2], row_neg_step_size, r.m_key,
-              r.v_key, &x, options.vmax);
+              r.g, r.m, r.v, r.size, maximize, c[0], c[1], c[2], row_neg_step_size, r.key, &x,
+              options.vmax);
         });
       },
       [&](int64_t row) {
@@ -589,7 +589,7 @@ OSA_MULTIVERSIONED_TEMPLATE void RowwiseAdamRow(
     float* __restrict__ g, MuT* __restrict__ m, NuT* __restrict__ v,
     float* __restrict__ scratch, int64_t row_size, bool maximize, float one_minus_b1,
     float one_minus_b2, float eps, float lr_over_bc1, float inv_bc2, float inv_row_size,
-    uint32_t m_key, uint32_t v_key, const float* __restrict__ p = nullptr, float decay = 0.0f,
+    uint32_t key, const float* __restrict__ p = nullptr, float decay = 0.0f,
     NuT* __restrict__ vmax = nullptr) {
   for (int64_t j = 0; j < row_size; ++j) {
     float gj = maximize ? -g[j] : g[j];  // a negation, as in XLA: NaNs flip sign too
@@ -600,13 +600,14 @@ OSA_MULTIVERSIONED_TEMPLATE void RowwiseAdamRow(
   const float mean_square = PairwiseSum(scratch, row_size) * inv_row_size;
   const float v_old = ToFloat(*v);
   const float v_new =
-      StoreMoment<kStochastic>(v, v_old + (mean_square - v_old) * one_minus_b2, v_key, 0);
+      StoreMomentBits<kStochastic>(v, v_old + (mean_square - v_old) * one_minus_b2,
+                                   SecondOfPairBits(kStochastic ? ElementHash(key, 0u) : 0u));
   const float second = vmax == nullptr ? v_new : StoreMax(vmax, ToFloat(*vmax), v_new);
   const float neg_rate = (-lr_over_bc1) / (std::sqrt(second * inv_bc2) + eps);
   uint32_t e = 0;  // j * kElementMultiplier, for stochastic rounding (`StochasticBits`)
   for (int64_t j = 0; j < row_size; ++j, e += kElementMultiplier) {
     const float mj = ToFloat(m[j]);
-    const float m_new = StoreMoment<kStochastic>(&m[j], mj + (g[j] - mj) * one_minus_b1, m_key, e);
+    const float m_new = StoreMoment<kStochastic>(&m[j], mj + (g[j] - mj) * one_minus_b1, key, e);
     // Where both are NaN, XLA's product keeps the moment's (GCC would pick either);
     // chosen by a bit mask, so that the loop stays vectorized.
     const uint32_t m_nan = 0u - static_cast<uint32_t>(m_new != m_new);
@@ -647,7 +648,7 @@ ffi::Error FusedRowwiseAdamImpl(
         const auto run = [&](auto d) {
           RowwiseAdamRow<typename R::Mu, typename R::Nu, R::kStochastic, decltype(d)::value>(
               r.g, r.m, r.v, scratch.data(), r.size, maximize, c[0], c[1], c[2], scales[0],
-              scales[1], c[5], r.m_key, r.v_key, options.p, c[6], options.vmax);
+              scales[1], c[5], r.key, options.p, c[6], options.vmax);
         };
         if (decay == kL2) return run(std::integral_constant<int, kL2>{});
         if (decay == kDecoupled) return run(std::integral_constant<int, kDecoupled>{});

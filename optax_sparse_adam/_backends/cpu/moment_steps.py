@@ -60,13 +60,15 @@ def adam_step(inputs: StepInputs, plan: StepPlan) -> RowsStep:
 
 
 def _rounding_keys(inputs: StepInputs, plan: StepPlan) -> jax.Array:
-  """uint32 `(3,)`: mu's and nu's stochastic-rounding keys of this step and the tables'
-  first global row (`StepInputs.row_offset`), read if stochastic."""
+  """uint32 `(2,)`: mu's stochastic-rounding key of this step (nu, the second slot of
+  the pair, rounds with the low half of mu's element hash: `rounding.slot_store`) and
+  the tables' first global row (`StepInputs.row_offset`), read if stochastic."""
   step = inputs.step if inputs.step is not None else jnp.zeros((), jnp.int32)
   names = [slot.name for slot in plan.rule.slots()]
-  keys = [rounding.step_key(step, names.index(name)) for name in ("mu", "nu")]
+  assert names.index("nu") == names.index("mu") + 1 and names.index("mu") % 2 == 0
+  key = rounding.step_key(step, names.index("mu"))
   offset = inputs.row_offset if inputs.row_offset is not None else 0
-  return jnp.stack([*keys, jnp.asarray(offset).astype(jnp.uint32)])
+  return jnp.stack([key, jnp.asarray(offset).astype(jnp.uint32)])
 
 
 def _entry_step_counts(inputs: StepInputs) -> tuple[jax.Array, jax.Array]:
