@@ -1,9 +1,9 @@
 """Every option's step against the default step, timed in interleaved rounds in one process.
 
 For each option (weight decay, amsgrad, per-row bias correction, row-wise second
-moment, bf16 moments, stochastic rounding, catch-up, and combinations), the
-jitted, donated `update` + `apply_updates` step of a V x D float32 table with B
-ids a step (Zipf or uniform) is timed against the default `sparse_adam` step:
+moment, bf16 moments, stochastic rounding, catch-up, a learning-rate schedule, and
+combinations), the jitted, donated `update` + `apply_updates` step of a V x D
+float32 table with B ids a step (Zipf or uniform) is timed against the default `sparse_adam` step:
 each round runs `--steps` steps of the default, then of the option, so a machine
 whose speed drifts affects both alike. Printed: the median over rounds of the
 per-round ratio option / default (and the range), and the ratio of the fastest
@@ -25,6 +25,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import optax
 from jax.experimental import sparse
 
 import optax_sparse_adam as osa
@@ -34,9 +35,18 @@ from optax_sparse_adam._backends.cpu import kernels
 BF16 = {"mu_dtype": "bfloat16", "nu_dtype": "bfloat16"}
 STOCHASTIC = {**BF16, "moment_rounding": "stochastic"}
 
+
+def _scheduled(learning_rate: float, **kwargs: Any) -> Any:
+  """`sparse_adam` whose learning rate is an `optax.linear_schedule` (read each step)."""
+  return osa.sparse_adam(
+    optax.linear_schedule(learning_rate, 0.1 * learning_rate, 100_000), **kwargs
+  )
+
+
 # name: (factory, keyword arguments); the default is sparse_adam(1e-3).
 OPTIONS: dict[str, tuple[Callable[..., Any], dict[str, Any]]] = {
   "catch_up": (osa.sparse_adam, {"catch_up_idle_rows": True}),
+  "linear_schedule": (_scheduled, {}),
   "adamw": (osa.sparse_adamw, {"weight_decay": 1e-2}),
   "l2": (osa.sparse_adam, {"weight_decay": 1e-2}),
   "amsgrad": (osa.sparse_adam, {"amsgrad": True}),
