@@ -74,6 +74,21 @@ def step_key(step: jax.Array, slot_index: int) -> jax.Array:
   return fmix32(t * np.uint32(_STEP_MULTIPLIER) + salt)
 
 
+def hash_half(slot_names: Sequence[str], name: str) -> tuple[int, bool]:
+  """Where slot `name` draws its bits: its pair's first slot (`step_key`'s index) and
+  whether it takes the element hash's low half (a pair's second slot)."""
+  index = list(slot_names).index(name)
+  return index - index % 2, index % 2 == 1
+
+
+def kernel_keys(step: jax.Array | None, pair: int, row_offset: Any = None) -> jax.Array:
+  """uint32 `(2,)` for the CPU kernels: the pair's key at `step` (None: 0) and the
+  tables' first global row (`row_offset`, None: 0)."""
+  t = jnp.zeros((), jnp.int32) if step is None else step
+  offset = 0 if row_offset is None else row_offset
+  return jnp.stack([step_key(t, pair), jnp.asarray(offset).astype(jnp.uint32)])
+
+
 def random_bits(
   key: jax.Array,
   rows: jax.Array,
@@ -166,10 +181,8 @@ def slot_store(
       raise ValueError("stochastic rounding needs the parameter's step count")
     n = x.shape[0]
     row_size = int(np.prod(x.shape[1:], dtype=np.int64))
-    index = slot_names.index(name)
-    # A pair shares one hash: the second slot takes its low half (see the module docstring).
-    key = step_key(step, index - index % 2)
-    bits = random_bits(key, rows, row_size, row_offset, low=index % 2 == 1)
+    pair, low = hash_half(slot_names, name)
+    bits = random_bits(step_key(step, pair), rows, row_size, row_offset, low=low)
     return stochastic_round_to_bf16(x.reshape(n, row_size), bits).reshape(x.shape)
 
   return store

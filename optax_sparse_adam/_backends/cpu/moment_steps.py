@@ -63,12 +63,12 @@ def _rounding_keys(inputs: StepInputs, plan: StepPlan) -> jax.Array:
   """uint32 `(2,)`: mu's stochastic-rounding key of this step (nu, the second slot of
   the pair, rounds with the low half of mu's element hash: `rounding.slot_store`) and
   the tables' first global row (`StepInputs.row_offset`), read if stochastic."""
-  step = inputs.step if inputs.step is not None else jnp.zeros((), jnp.int32)
   names = [slot.name for slot in plan.rule.slots()]
-  assert names.index("nu") == names.index("mu") + 1 and names.index("mu") % 2 == 0
-  key = rounding.step_key(step, names.index("mu"))
-  offset = inputs.row_offset if inputs.row_offset is not None else 0
-  return jnp.stack([key, jnp.asarray(offset).astype(jnp.uint32)])
+  pair, mu_low = rounding.hash_half(names, "mu")
+  if (pair, mu_low) != (rounding.hash_half(names, "nu")[0], False):
+    # The kernel draws mu's bits from the top half of one hash and nu's from its low half.
+    raise NotImplementedError(f"the Adam kernels need mu and nu to be one pair, not {names}")
+  return rounding.kernel_keys(inputs.step, pair, inputs.row_offset)
 
 
 def _entry_step_counts(inputs: StepInputs) -> tuple[jax.Array, jax.Array]:

@@ -112,9 +112,7 @@ def masked_step(inputs: StepInputs, plan: StepPlan) -> RowsStep:
   reads_param = config.weight_decay != "none" or config.max_norm is not None
   param = tables.param if reads_param else None
   stochastic = config.moment_rounding == "stochastic"
-  step = inputs.step if inputs.step is not None else jnp.zeros((), jnp.int32)
-  offset = inputs.row_offset if inputs.row_offset is not None else 0
-  keys = jnp.stack([rounding.step_key(step, 0), jnp.asarray(offset).astype(jnp.uint32)])
+  keys = rounding.kernel_keys(inputs.step, 0, inputs.row_offset)  # slot 0: the top half
   call = jax.ffi.ffi_call(
     RULE_STEP,
     (
