@@ -30,7 +30,7 @@ from jax.sharding import AxisType, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import optax_sparse_adam as osa  # noqa: E402
-from optax_sparse_adam._core.sharded import lookup, routed  # noqa: E402
+from optax_sparse_adam._core.sharded import lookup, overflow, routed  # noqa: E402
 from tests.core._routed_tiers import SLOW_RUNS  # noqa: E402
 
 NUM_DEVICES = 8
@@ -279,8 +279,6 @@ def lookups():
 def overflow_warning():
   """A lookup whose ids all live on one owner, run past `WARN_AFTER`: one
   `RoutingOverflowWarning` (not one per call), none again before a reset."""
-  from optax_sparse_adam._core.sharded import overflow
-
   rng = np.random.default_rng(2)
   table = rng.normal(size=(NUM_ROWS, DIM)).astype(np.float32)
   mesh = jax.make_mesh((NUM_DEVICES,), ("x",), axis_types=(AxisType.Explicit,))
