@@ -45,8 +45,11 @@ def main(argv=None) -> None:
     sizes = [args.vocab, args.dim, args.batch, args.rounds]
     print(f"V={args.vocab:,}, D={args.dim}, B={args.batch:,} random rows, {args.rounds} rounds")
     for which in itertools.count(1):  # one process per option: its tables and the default's
-      if subprocess.run([str(binary), *map(str, sizes), str(which)]).returncode == 3:
+      code = subprocess.run([str(binary), *map(str, sizes), str(which)]).returncode
+      if code == 3:  # no option `which`: all done
         break
+      if code:
+        raise subprocess.CalledProcessError(code, [str(binary), *map(str, sizes), str(which)])
 
 
 if __name__ == "__main__":

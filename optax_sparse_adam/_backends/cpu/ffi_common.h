@@ -206,21 +206,15 @@ inline uint32_t ElementHash(uint32_t row_key, uint32_t j_mixed) {
   return Fmix32(row_key ^ j_mixed);
 }
 
-// The 16 random bits of a one-slot rule's element (`ElementHash`'s top half).
-// Fmix32's last step, `x ^ (x >> 16)`, leaves the top half as it is, so it is
-// skipped.
-inline uint32_t StochasticBits(uint32_t row_key, uint32_t j_mixed) {
-  uint32_t x = row_key ^ j_mixed;
-  x ^= x >> 16;
-  x *= 0x85EBCA6Bu;
-  x ^= x >> 13;
-  x *= 0xC2B2AE35u;
-  return x >> 16;
-}
-
 // The 16 random bits of each slot of a pair, from the element's hash `h`.
 inline uint32_t FirstOfPairBits(uint32_t h) { return h >> 16; }
 inline uint32_t SecondOfPairBits(uint32_t h) { return h & 0xFFFFu; }
+
+// The 16 random bits of a one-slot rule's element (`ElementHash`'s top half;
+// the compiler drops Fmix32's last `x ^ (x >> 16)`, which the top half ignores).
+inline uint32_t StochasticBits(uint32_t row_key, uint32_t j_mixed) {
+  return FirstOfPairBits(ElementHash(row_key, j_mixed));
+}
 
 // Stores `x` in `*dst`'s format and returns the stored value. For bfloat16,
 // `kStochastic` rounds with the 16 random bits `bits16` (`StochasticBits`,

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 
 from optax_sparse_adam._backends.cpu import moment_steps
 from optax_sparse_adam._core import rounding
+from optax_sparse_adam._core.row_rules import adagrad, sgd
 from optax_sparse_adam._core.row_rules.adagrad import AdagradRule
 from optax_sparse_adam._core.row_rules.rowwise_adagrad import RowwiseAdagradRule
 from optax_sparse_adam._core.row_rules.rowwise_adam import inverse_row_size
@@ -86,16 +87,9 @@ def _coefficients(inputs: StepInputs, plan: StepPlan) -> list[Any]:
   if not isinstance(rule, AdagradRule):
     a = c(hyper.learning_rate)
   if isinstance(rule, SGDRule) and rule.momentum:
-    b, third = c(hyper.momentum), c(1.0 - hyper.dampening)
-    if inputs.step is not None:  # torch's buffer starts as the gradient: no dampening then
-      third = jnp.where(jnp.asarray(inputs.step) == 1, c(1.0), third)
+    b, third = c(hyper.momentum), sgd.gradient_weight(hyper, inputs.step, f32)
   elif isinstance(rule, AdagradRule):
-    # As AdagradRule.update computes its step size.
-    clr = hyper.step_size
-    if clr is None:
-      t = jnp.asarray(inputs.step).astype(f32)
-      clr = c(hyper.learning_rate) / (1 + (t - 1) * c(hyper.lr_decay))
-    a, b = c(clr), c(hyper.eps)
+    a, b = adagrad.step_size(hyper, inputs.step, f32), c(hyper.eps)
   elif isinstance(rule, RowwiseAdagradRule):
     b = c(hyper.eps)
     third = inverse_row_size(math.prod(plan.layout.dense_shape), f32)
@@ -112,7 +106,9 @@ def masked_step(inputs: StepInputs, plan: StepPlan) -> RowsStep:
   reads_param = config.weight_decay != "none" or config.max_norm is not None
   param = tables.param if reads_param else None
   stochastic = config.moment_rounding == "stochastic"
-  keys = rounding.kernel_keys(inputs.step, 0, inputs.row_offset)  # slot 0: the top half
+  # A one-slot rule's slot is its pair's first: the hash's top half, as the kernel takes.
+  pair = rounding.hash_half(names, names[0])[0] if names else 0
+  keys = rounding.kernel_keys(inputs.step, pair, inputs.row_offset)
   call = jax.ffi.ffi_call(
     RULE_STEP,
     (

@@ -71,14 +71,23 @@ class AdagradRule:
     g = block.grad.astype(block.compute_dtype)
     total = store("sum", block.slots["sum"].astype(block.compute_dtype) + r(g * g))
     std = jnp.sqrt(total.astype(block.compute_dtype)) + c(hyper.eps)
-    clr = hyper.step_size
-    if clr is None:
-      if block.step is None:
-        raise ValueError("an Adagrad step needs a step count or a given step size")
-      t = jnp.asarray(block.step).astype(block.compute_dtype)
-      clr = c(hyper.learning_rate) / (1 + (t - 1) * c(hyper.lr_decay))
-    return r(-c(clr) * (g / std)), {"sum": total}
+    clr = step_size(hyper, block.step, block.compute_dtype)
+    return r(-clr * (g / std)), {"sum": total}
 
   def catch_up(self, config: StepConfig) -> CatchUp:
     """Idle rows stay under dense Adagrad without weight decay (`rules.CatchUp`)."""
     return still_without_weight_decay(config)
+
+
+def step_size(hyper: AdagradHyperparams, step: Any, dtype: Any) -> jax.Array:
+  """torch's `clr = lr / (1 + (t - 1) * lr_decay)` at step count `t`, or the given step size.
+
+  One place for the CPU kernel (`rule_steps`) and `AdagradRule.update` to read it.
+  """
+  if hyper.step_size is not None:
+    return jnp.asarray(hyper.step_size, dtype)
+  if step is None:
+    raise ValueError("an Adagrad step needs a step count or a given step size")
+  t = jnp.asarray(step).astype(dtype)
+  lr, lr_decay = jnp.asarray(hyper.learning_rate, dtype), jnp.asarray(hyper.lr_decay, dtype)
+  return lr / (1 + (t - 1) * lr_decay)

@@ -109,12 +109,21 @@ class SGDRule:
       return r(-c(hyper.learning_rate) * g), {}
     old = block.slots["momentum_buffer"].astype(block.compute_dtype)
     m = c(hyper.momentum)
-    # torch's buffer starts as the gradient itself (no dampening) at the first step.
-    weight = c(1.0 - hyper.dampening)
-    if block.step is not None:
-      weight = jnp.where(jnp.asarray(block.step) == 1, c(1.0), weight)
+    weight = gradient_weight(hyper, block.step, block.compute_dtype)
     buf = store("momentum_buffer", r(old * m) + r(g * weight))
     direction = buf.astype(block.compute_dtype)
     if self.nesterov:
       direction = g + r(direction * m)
     return r(-c(hyper.learning_rate) * direction), {"momentum_buffer": buf}
+
+
+def gradient_weight(hyper: SGDHyperparams, step: Any, dtype: Any) -> jax.Array:
+  """The gradient's weight in the momentum buffer: `1 - dampening`, or 1 at the first
+  step, where torch's buffer starts as the gradient itself (no dampening).
+
+  One place for the CPU kernel (`rule_steps`) and `SGDRule.update` to read it.
+  """
+  weight = jnp.asarray(1.0 - hyper.dampening, dtype)
+  if step is not None:
+    weight = jnp.where(jnp.asarray(step) == 1, jnp.asarray(1.0, dtype), weight)
+  return weight
