@@ -19,9 +19,14 @@ import numpy as np
 import pytest
 
 import optax_sparse_adam as osa
+from optax_sparse_adam._backends import xla
 from optax_sparse_adam._backends.cpu import kernels, rule_steps
 from optax_sparse_adam._core.bcoo import RowLayout
 from optax_sparse_adam._core.row_rules.adagrad import AdagradHyperparams, AdagradRule
+from optax_sparse_adam._core.row_rules.rowwise_adagrad import (
+  RowwiseAdagradHyperparams,
+  RowwiseAdagradRule,
+)
 from optax_sparse_adam._core.rules import StepConfig, StepInputs, StepPlan, Tables
 from tests._helpers import cpu_only
 from tests.backends import test_cpu_kernel_options as adam_options
@@ -64,6 +69,12 @@ OPTIONS = {
   ),
   "rowwise_adagrad_decoupled_max_norm_maximize": lambda: osa.sparse_rowwise_adagrad(
     0.5, eps=1e-4, weight_decay=0.1, weight_decay_mode="decoupled", max_norm=1.5, maximize=True
+  ),
+  "rowwise_adagrad_bf16_stochastic": _rule(
+    osa.RowwiseAdagradRule(),
+    osa.RowwiseAdagradHyperparams(2e-2),
+    slot_dtypes={"sum": jnp.bfloat16},
+    moment_rounding="stochastic",
   ),
   "rowwise_adagrad_bf16": _rule(
     osa.RowwiseAdagradRule(),
@@ -172,3 +183,30 @@ def test_the_kernel_is_chosen_by_backend_and_left_where_the_library_is_missing(m
     assert rule_steps.RULE_STEP not in text and "scatter" in text
   monkeypatch.setattr(kernels, "available", lambda: False)
   assert rule_steps.RULE_STEP not in _adagrad_step_text()
+
+
+@pytest.mark.parametrize("per_row", [False, True], ids=["adagrad", "rowwise_adagrad"])
+def test_a_shards_rows_draw_their_global_rows_bits(per_row):
+  """Stochastic rounding with `row_offset` (a routed shard's first global row): the
+  kernel's bits equal the XLA ops', and differ from the same rows at offset 0."""
+  rule, hyper = (
+    (RowwiseAdagradRule(), RowwiseAdagradHyperparams(0.1))
+    if per_row
+    else (AdagradRule(), AdagradHyperparams(0.1))
+  )
+  shape = SHAPE[:1] if per_row else SHAPE
+  tables = Tables({"sum": jnp.full(shape, 0.3, jnp.bfloat16)})
+  rng = np.random.default_rng(0)
+  rows = jnp.array([1, 4, 4, 7], jnp.int32)
+  values = jnp.asarray(rng.normal(size=(4, SHAPE[1])), jnp.float32)
+  plan = StepPlan(RowLayout(SHAPE[:1], SHAPE[1:]), rule, StepConfig(moment_rounding="stochastic"))
+
+  def run(backend, offset):
+    inputs = StepInputs(rows, values, tables, jnp.int32(3), hyper, row_offset=jnp.int32(offset))
+    assert backend is xla.masked_step or kernels.step_applies(inputs, plan)
+    return jax.jit(lambda i: backend(i, plan))(inputs)
+
+  with_kernel, with_xla = run(rule_steps.masked_step, 37), run(xla.masked_step, 37)
+  _assert_same_bits(with_kernel, with_xla)
+  at_zero = run(rule_steps.masked_step, 0).tables.slots["sum"]
+  assert np.any(np.asarray(at_zero) != np.asarray(with_kernel.tables.slots["sum"]))
