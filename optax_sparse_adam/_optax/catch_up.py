@@ -154,8 +154,9 @@ def check_options(options: Any, config: rules.StepConfig) -> None:
         "static_args=('weight_decay',)."
       )
     )
-  b1, b2 = options.b1, options.b2
-  if not options.amsgrad and is_python_number(b1) and is_python_number(b2) and b1 >= b2**0.5:
+  if not options.amsgrad:
+    b1, b2 = known_betas(options.b1, options.b2)
+  if not options.amsgrad and b1 >= b2**0.5:
     raise ValueError(
       f"catch_up_idle_rows=True needs b1 < sqrt(b2) (got b1={b1}, b2={b2}, "
       f"sqrt(b2)={b2**0.5:.6g}): otherwise the catch-up's bound on the parameter grows "
@@ -165,6 +166,24 @@ def check_options(options: Any, config: rules.StepConfig) -> None:
   if options.rowwise_second_moment:
     name = "sparse_adamw" if options.decoupled_weight_decay else "sparse_adam"
     refuse_unless_closed_form(name, options.rule, rules.catch_up_of(options.rule, config))
+
+
+def known_betas(b1: Any, b2: Any) -> tuple[float, float]:
+  """`b1` and `b2` as floats, to check `b1 < sqrt(b2)`; refuses a value traced in the step.
+
+  Under `optax.inject_hyperparams` the betas reach the factory as arrays, traced
+  inside a jitted update: their values are unknown there, so the catch-up's
+  precondition could not be checked and a wrong pair would run unbounded.
+  """
+  traced = [name for name, x in (("b1", b1), ("b2", b2)) if isinstance(x, jax.core.Tracer)]
+  if traced:
+    raise ValueError(
+      f"catch_up_idle_rows=True needs b1 and b2 known when the step is traced, to check "
+      f"b1 < sqrt(b2) (docs/catch_up.md), but {' and '.join(traced)} "
+      f"{'is' if len(traced) == 1 else 'are'} traced. Under optax.inject_hyperparams pass "
+      "static_args=('b1', 'b2'), or use amsgrad=True (caught up exactly for any betas)."
+    )
+  return float(b1), float(b2)
 
 
 def last_step_leaves(

@@ -13,6 +13,7 @@ that bound is zero (eps = 0 or amsgrad, at a settled bias correction).
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 from typing import Any
 
@@ -370,6 +371,33 @@ def test_refused_when_made(make, match):
     make()
 
 
+def test_injected_betas_are_checked_or_refused_before_any_change():
+  """Betas injected by inject_hyperparams: checked where concrete, refused where traced.
+
+  A traced pair could be b1 >= sqrt(b2), whose catch-up error grows without bound.
+  """
+  params = jnp.zeros((VOCAB, DIM))
+  grad = sparse.BCOO((jnp.ones((1, DIM)), jnp.array([[1]])), shape=(VOCAB, DIM))
+  inject = functools.partial(optax.inject_hyperparams, osa.sparse_adam)
+  with pytest.raises(ValueError, match=r"b1 < sqrt\(b2\)"):
+    inject(static_args=("weight_decay",))(b1=0.99, b2=0.9, catch_up_idle_rows=True).init(params)
+  opt = inject(static_args=("weight_decay",))(b1=0.9, b2=0.999, catch_up_idle_rows=True)
+  state = opt.init(params)
+  before = jax.tree.map(np.asarray, state)
+  with pytest.raises(ValueError, match=r"b1 and b2 are traced.*static_args=\('b1', 'b2'\)"):
+    jax.jit(opt.update)(grad, state, params)
+  for kept, was in zip(jax.tree.leaves(state), jax.tree.leaves(before), strict=True):
+    np.testing.assert_array_equal(kept, was)
+  static = inject(static_args=("weight_decay", "b1", "b2"))
+  amsgrad = inject(static_args=("weight_decay",))
+  for made in (
+    static(b1=0.9, b2=0.999, catch_up_idle_rows=True),
+    amsgrad(b1=0.99, b2=0.9, amsgrad=True, catch_up_idle_rows=True),
+  ):
+    updates, _ = jax.jit(made.update)(grad, made.init(params), params)
+    assert updates.nse == 1
+
+
 def test_amsgrad_composes_for_any_betas():
   osa.sparse_adam(b1=0.99, b2=0.9, amsgrad=True, catch_up_idle_rows=True)
 
@@ -489,7 +517,8 @@ def test_with_inject_hyperparams():
   """Injected (traced) hyper-parameters give the same steps as floats, to float32 rounding."""
   grads = sparse_grads(touch_pattern(9), 4)
   kwargs = {"learning_rate": 0.05, "weight_decay": 0.5, "catch_up_idle_rows": True}
-  injected = optax.inject_hyperparams(osa.sparse_adamw)(**kwargs)
+  # The betas stay Python numbers: catch-up checks b1 < sqrt(b2) when the step is traced.
+  injected = optax.inject_hyperparams(osa.sparse_adamw, static_args=("b1", "b2"))(**kwargs)
   params = jnp.ones((VOCAB, DIM))
   got, state = _steps(injected, params, grads)
   want, want_state = _steps(osa.sparse_adamw(**kwargs), params, grads)

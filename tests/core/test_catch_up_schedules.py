@@ -111,8 +111,9 @@ def run(schedule, *, wd: float, path: str, steps: int = STEPS, inject: bool = Fa
   extra = {"weight_decay": wd} if wd else {}
   kwargs = {"b1": b1, "b2": b2, "eps": eps, "catch_up_idle_rows": True, **extra}
   if inject:
-    # sparse_adam's weight_decay=0 must stay a Python zero (no L2 decay) when injected.
-    static = () if wd else ("weight_decay",)
+    # sparse_adam's weight_decay=0 must stay a Python zero (no L2 decay) when injected;
+    # catch-up checks b1 < sqrt(b2) when the step is traced, so the betas stay Python too.
+    static = ("b1", "b2") + (() if wd else ("weight_decay",))
     opt = optax.inject_hyperparams(factory, static_args=static)(learning_rate=schedule, **kwargs)
   else:
     opt = factory(schedule, **kwargs)
