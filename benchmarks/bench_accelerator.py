@@ -30,6 +30,8 @@ All ratios are between timings of this one run.
 
 import argparse
 import contextlib
+import functools
+import itertools
 import math
 import os
 
@@ -65,9 +67,9 @@ def ids_of(dist: str, num_rows: int, batch: int, rng: np.random.Generator) -> np
   return ((ranks * 2_654_435_761) % num_rows).astype(np.int32)
 
 
-def time_sparse_adam(num_rows, dim, ids, values, *, steps, repeats, forced=None) -> float:
-  """Seconds per step of sparse_adam.update + apply_updates, `steps` steps per jitted call."""
-  opt = osa.sparse_adam(LR, B1, B2, EPS)
+def time_sparse_adam(num_rows, dim, ids, values, *, steps, repeats, forced=None, opt=None) -> float:
+  """Seconds per step of `opt` (sparse_adam) update + apply_updates, `steps` per jitted call."""
+  opt = opt or osa.sparse_adam(LR, B1, B2, EPS)
 
   def run(params, state, ids, values):
     for k in range(steps):
@@ -139,6 +141,11 @@ def time_dense_adam(num_rows, dim, ids, values, *, steps, repeats) -> float:
     for k in range(steps):
       updates, state = opt.update(grads[k % 2], state, params)
       params = optax.apply_updates(params, updates)
+      # Without a barrier XLA:GPU fuses the unrolled element-wise steps into one pass
+      # over the tables, which no training loop (a forward and backward between
+      # steps) allows: measured 0.09 ms a step at V = 1M on an H100, below its
+      # bandwidth floor for one step.
+      params, state = jax.lax.optimization_barrier((params, state))
     return params, state
 
   params = jnp.zeros((num_rows, dim), jnp.float32)
@@ -198,12 +205,12 @@ def time_torch(num_rows, dim, ids, values, *, steps, repeats) -> float | None:
   return seconds / steps
 
 
-def fits(num_rows: int, dim: int, arrays: int) -> bool:
-  """Whether `arrays` float32 V x D arrays fit in half the device's memory (or 4 GiB on a CPU)."""
+def fits(num_rows: int, dim: int, arrays: int, share: float = 0.5) -> bool:
+  """Whether `arrays` float32 V x D arrays fit in `share` of the device's memory (CPU: 8 GiB)."""
   need = arrays * num_rows * dim * 4
   stats = jax.devices()[0].memory_stats() or {}
   limit = stats.get("bytes_limit", 8 * 2**30)
-  return need <= limit // 2
+  return need <= limit * share
 
 
 def ms(seconds: float | None) -> str:
@@ -256,6 +263,42 @@ def single_table_rows(args) -> None:
       print(f"  {dist:>8} B={batch:>6}: {ratio(by_rows[large], by_rows[small])}")
 
 
+RULES = {
+  "sparse_adam": lambda: osa.sparse_adam(LR, B1, B2, EPS),
+  "sparse_adamw wd=1e-2": lambda: osa.sparse_adamw(LR, B1, B2, EPS, weight_decay=1e-2),
+  "sparse_adam amsgrad": lambda: osa.sparse_adam(LR, B1, B2, EPS, amsgrad=True),
+  "sparse_adam per-row": lambda: osa.sparse_adam(LR, B1, B2, EPS, per_row_bias_correction=True),
+  "sparse_adam catch-up": lambda: osa.sparse_adam(LR, B1, B2, EPS, catch_up_idle_rows=True),
+  "sparse_adam row-wise nu": lambda: osa.sparse_adam(LR, B1, B2, EPS, rowwise_second_moment=True),
+  "sparse_sgd momentum": lambda: osa.sparse_sgd(LR, momentum=0.9, lazy_momentum=True),
+  "sparse_adagrad": lambda: osa.sparse_adagrad(LR),
+  "sparse_rowwise_adagrad": lambda: osa.sparse_rowwise_adagrad(LR),
+}
+
+
+def rule_rows(args) -> None:
+  """Every rule and Adam option on the default path, at the smallest V and B."""
+  num_rows, batch = min(args.vocab), min(args.batch)
+  rng = np.random.default_rng(2)
+  print(f"\nevery rule, default path, V={num_rows:,}, B={batch}, D={args.dim}: ms per step")
+  print(f"{'rule':>24} {'zipf':>9} {'uniform':>9} | ratio to sparse_adam")
+  streams = {}
+  for dist in ("zipf", "uniform"):
+    ids = np.stack([ids_of(dist, num_rows, batch, rng) for _ in range(NUM_BATCHES)])
+    values = rng.standard_normal((NUM_BATCHES, batch, args.dim), dtype=np.float32)
+    streams[dist] = jnp.asarray(ids), jnp.asarray(values)
+  kw = dict(steps=args.steps, repeats=args.repeats)
+  base = None
+  for name, make in RULES.items():
+    times = [
+      time_sparse_adam(num_rows, args.dim, *streams[dist], opt=make(), **kw)
+      for dist in ("zipf", "uniform")
+    ]
+    base = base or times
+    ratios = " ".join(ratio(t, b) for t, b in zip(times, base, strict=True))
+    print(f"{name:>24} {ms(times[0])} {ms(times[1])} | {ratios}", flush=True)
+
+
 def candidate_rows(lookups: int, distinct: float) -> int:
   """The pool size c whose `lookups` uniform draws hit `distinct` rows: c (1 - e^(-lookups/c))."""
   low, high = distinct, 100.0 * distinct
@@ -272,7 +315,8 @@ def recsys_rows(args) -> None:
   """NVIDIA recsys-examples' shape: many tables, one step, effective bandwidth."""
   tables, num_rows, dim = args.recsys_tables, args.recsys_rows, args.recsys_dim
   lookups, distinct_target = args.recsys_lookups, args.recsys_distinct
-  if not fits(num_rows * tables, dim, 4):
+  # param, m and v, donated: the step's other arrays are lookup-sized.
+  if not fits(num_rows * tables, dim, 3, share=0.8):
     print(f"\nrecsys shape: {tables} x {num_rows:,} x {dim} does not fit here; skipped")
     return
   rng = np.random.default_rng(1)
@@ -341,13 +385,16 @@ def nnx_rows(args) -> None:
       )
       for _ in range(NUM_BATCHES)
     ]
-    timings = {}
-    for name, embed_cls, step in (
-      ("SparseEmbed + sparse_adam", osa.SparseEmbed, sparse_step),
-      ("nnx.Embed + optax.adam", nnx.Embed, dense_step),
+    timings: dict[tuple[str, bool], float | None] = {}
+    for (name, embed_cls, step), cached in itertools.product(
+      (
+        ("SparseEmbed + sparse_adam", osa.SparseEmbed, sparse_step),
+        ("nnx.Embed + optax.adam", nnx.Embed, dense_step),
+      ),
+      (False, True),
     ):
       if embed_cls is nnx.Embed and not fits(num_rows * 2, args.dim, 5):
-        timings[name] = None
+        timings[name, cached] = None
         continue
       model = TwoTower(num_rows, num_rows, args.dim, 64, embed_cls=embed_cls, rngs=nnx.Rngs(0))
       if embed_cls is osa.SparseEmbed:
@@ -358,18 +405,25 @@ def nnx_rows(args) -> None:
       else:
         opt = nnx.Optimizer(model, optax.adam(LR), wrt=nnx.Param)
 
-      def call(step=step, model=model, opt=opt, batches=batches):
+      # nnx.cached_partial skips nnx.jit's walk over the model's graph at each call,
+      # which on a GPU can cost more than the step's device time.
+      run = nnx.cached_partial(step, model, opt) if cached else functools.partial(step, model, opt)
+
+      def call(run=run, batches=batches):
         for k in range(args.steps):
-          loss = step(model, opt, *batches[k % len(batches)])
+          loss = run(*batches[k % len(batches)])
         jax.block_until_ready(loss)
 
-      timings[name] = best_seconds(call, args.repeats) / args.steps
-    sparse_s, dense_s = timings.values()
-    print(
-      f"  V={num_rows:>11,}: sparse {ms(sparse_s)} ms, dense {ms(dense_s)} ms, "
-      f"dense/sparse {ratio(dense_s, sparse_s)}",
-      flush=True,
-    )
+      timings[name, cached] = best_seconds(call, args.repeats) / args.steps
+    for cached in (False, True):
+      sparse_s = timings["SparseEmbed + sparse_adam", cached]
+      dense_s = timings["nnx.Embed + optax.adam", cached]
+      how = "nnx.cached_partial" if cached else "nnx.jit"
+      print(
+        f"  V={num_rows:>11,} {how:>18}: sparse {ms(sparse_s)} ms, dense {ms(dense_s)} ms, "
+        f"dense/sparse {ratio(dense_s, sparse_s)}",
+        flush=True,
+      )
 
 
 def describe_machine() -> str:
@@ -392,6 +446,7 @@ def parse_args(argv=None):
   parser.add_argument("--repeats", type=int, default=5, help="timed calls; the fastest counts")
   parser.add_argument("--no-torch", action="store_true")
   parser.add_argument("--no-dense", action="store_true")
+  parser.add_argument("--no-rules", action="store_true")
   parser.add_argument("--no-recsys", action="store_true")
   parser.add_argument("--no-nnx", action="store_true")
   args = parser.parse_args(argv)
@@ -416,6 +471,8 @@ def main(argv=None) -> None:
   args = parse_args(argv)
   print(describe_machine())
   single_table_rows(args)
+  if not args.no_rules:
+    rule_rows(args)
   if not args.no_recsys:
     recsys_rows(args)
   if not args.no_nnx:

@@ -25,6 +25,30 @@ def cpu_only(what: str) -> pytest.MarkDecorator:
   )
 
 
+def assert_paths_agree(a, b) -> None:
+  """Two paths' results: equal in every bit on the CPU, close on other backends.
+
+  On the CPU every path sums a row's duplicates from +0.0 in input order, so their
+  bits agree. A GPU's scatter-adds sum duplicates in no fixed order (docs/performance/
+  gpu.md: run to run too, without XLA's deterministic-ops flag), so there the paths
+  agree to a few roundings of the leaf's dtype, relative to the leaf's largest value.
+  """
+  leaves_a, tree_a = jax.tree.flatten(a)
+  leaves_b, tree_b = jax.tree.flatten(b)
+  assert tree_a == tree_b
+  for x, y in zip(leaves_a, leaves_b, strict=True):
+    x, y = np.asarray(x), np.asarray(y)
+    assert x.dtype == y.dtype and x.shape == y.shape
+    if BACKEND == "cpu" or not np.issubdtype(x.dtype, np.floating):
+      np.testing.assert_array_equal(x.view(f"u{x.dtype.itemsize}"), y.view(f"u{y.dtype.itemsize}"))
+      continue
+    tol = (8 if x.dtype.itemsize < 4 else 64) * float(np.finfo(x.dtype).eps)
+    wide_x, wide_y = x.astype(np.float64), y.astype(np.float64)
+    finite = np.isfinite(wide_y)
+    scale = float(np.max(np.abs(wide_y[finite]), initial=1.0))
+    np.testing.assert_allclose(wide_x, wide_y, rtol=tol, atol=tol * scale, equal_nan=True)
+
+
 class NumpySparseAdam:
   """torch.optim.SparseAdam for one parameter, in `dtype` arithmetic (float64 by default)."""
 

@@ -19,31 +19,14 @@ from jax.experimental import sparse
 
 import optax_sparse_adam as osa
 from optax_sparse_adam._backends import choice
-from tests._helpers import dense_table_temporaries, table_shaped_values, train_step
+from tests._helpers import (
+  assert_paths_agree,
+  dense_table_temporaries,
+  table_shaped_values,
+  train_step,
+)
 
-ON_CPU = jax.default_backend() == "cpu"
-
-
-def _bits(x):
-  x = np.atleast_1d(np.asarray(x))
-  if x.dtype.kind == "f" or x.dtype == jnp.bfloat16:
-    return x.view(np.dtype(f"u{x.dtype.itemsize}"))
-  return x
-
-
-def _assert_same(a, b, *, exact=ON_CPU):
-  """Equal in every bit on the CPU (the same sums in the same order); close elsewhere."""
-  leaves_a, tree_a = jax.tree.flatten(a)
-  leaves_b, tree_b = jax.tree.flatten(b)
-  assert tree_a == tree_b
-  for x, y in zip(leaves_a, leaves_b, strict=True):
-    assert x.dtype == y.dtype and x.shape == y.shape
-    if exact:
-      np.testing.assert_array_equal(_bits(x), _bits(y))
-    else:
-      np.testing.assert_allclose(
-        np.asarray(x, np.float64), np.asarray(y, np.float64), rtol=1e-5, atol=1e-6
-      )
+_assert_same = assert_paths_agree  # same bits on the CPU (same sums, same order); close elsewhere
 
 
 # name: (parameter shape, n_sparse)

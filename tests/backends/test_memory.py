@@ -114,6 +114,12 @@ def test_donated_step_has_no_table_sized_temporaries(options, cpu_kernels):
   _assert_in_place(osa.sparse_adam(1e-3, **options), params, grads, cpu_kernels=cpu_kernels)
 
 
+# Measured on an H100 (jax 0.11.2, benchmarks/gpu_session.sh): XLA:GPU copies an
+# n_sparse=2 table's m and v in each step (a 4.8 MB temporary for a (100003, 3, 4)
+# table; every other layout is in place there too). docs/performance/gpu.md.
+N_SPARSE_2_COPIED = BACKEND != "cpu"
+
+
 @CPU_PATHS
 def test_donated_step_in_place_for_every_layout_and_many_tables(cpu_kernels):
   rng = np.random.default_rng(1)
@@ -124,9 +130,24 @@ def test_donated_step_in_place_for_every_layout_and_many_tables(cpu_kernels):
     "small_table": ((1_009, DIM), 1),
     "tiny_table": ((7, DIM), 1),
   }
+  if N_SPARSE_2_COPIED:
+    del leaves["n_sparse_2"]  # checked apart: test_n_sparse_2_table_in_place
   params = {k: jnp.zeros(shape, jnp.float32) for k, (shape, _) in leaves.items()}
   grads = {k: _grad(shape, n_sparse, rng) for k, (shape, n_sparse) in leaves.items()}
   _assert_in_place(osa.sparse_adam(1e-3), params, grads, cpu_kernels=cpu_kernels)
+
+
+@pytest.mark.xfail(
+  N_SPARSE_2_COPIED,
+  strict=True,
+  reason=f"measured on an H100: XLA:GPU copies an n_sparse=2 table's moments each step; "
+  f"this backend is {BACKEND}",
+)
+def test_n_sparse_2_table_in_place():
+  shape = (NUM_ROWS, 3, 4)
+  params = {"table": jnp.zeros(shape, jnp.float32)}
+  grads = {"table": _grad(shape, 2, np.random.default_rng(2))}
+  _assert_in_place(osa.sparse_adam(1e-3), params, grads, cpu_kernels=False)
 
 
 @pytest.mark.parametrize(

@@ -7,10 +7,16 @@ low-precision dtype after every step (the drift our arithmetic adds on top, whic
 stay within two units in the last place). The README (Mixed precision) prints its table.
 """
 
+import re
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental import sparse
 
+import optax_sparse_adam as osa
+from tests._helpers import train_step
 from tests.core import mixed_precision_drift as mp
 
 LOW = pytest.mark.parametrize("param_dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "f16"])
@@ -59,3 +65,24 @@ def test_float16_moments_underflow_where_float32_moments_do_not():
   with_f16 = mp.drift(jnp.float16, None, round_params=False).max()
   assert with_f32 < 0.1
   assert with_f16 > 10 * with_f32
+
+
+@pytest.mark.parametrize("platform", ["cpu", "cuda"])
+def test_a_narrow_moment_is_read_back_as_stored(platform):
+  """The step reads a 16-bit moment back through its stored bits on every backend.
+
+  XLA:GPU's default excess precision removes a float32 -> float16 -> float32 round
+  trip, so the step's denominator would read nu from before its rounding (measured on
+  an H100: float16 moments did not underflow there, as the test above needs). The
+  stored value passes through an integer XOR with a run-time zero (`adam.rounded`),
+  which no compiler can fold, in the program lowered for each backend.
+  """
+  params = {"t": jnp.zeros((16, 4), jnp.float16)}
+  grads = {"t": sparse.BCOO((jnp.ones((2, 4), jnp.float16), jnp.array([[1], [3]])), shape=(16, 4))}
+  pinned = {}
+  for nu_dtype in (jnp.float16, jnp.float32):
+    opt = osa.sparse_adam(1e-3, mu_dtype=jnp.float32, nu_dtype=nu_dtype)
+    traced = jax.jit(train_step(opt)).trace(params, opt.init(params), grads)
+    text = traced.lower(lowering_platforms=(platform,)).as_text()
+    pinned[nu_dtype] = re.search(r"stablehlo\.xor .*tensor<\d+x\d+xi16>", text) is not None
+  assert pinned == {jnp.float16: True, jnp.float32: False}

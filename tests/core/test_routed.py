@@ -12,6 +12,7 @@ import pytest
 from jax.experimental import sparse
 
 import optax_sparse_adam as osa
+from optax_sparse_adam._backends.cpu import kernels
 from optax_sparse_adam._core.sharded import overflow, placement, routing
 from optax_sparse_adam._core.sharded.overflow import WARN_AFTER, WARN_SHARE
 from tests.core._forced_devices import run_checks
@@ -318,7 +319,10 @@ def test_auto_axes_by_default_compile_what_a_declared_auto_axis_compiles(checks,
   default = checks["runs"][f"auto_default/plain/{kind}/cf2"]
   declared = checks["runs"][f"auto/plain/{kind}/cf2"]
   assert default["collectives"] == declared["collectives"]
-  assert default["kernel_calls"] == declared["kernel_calls"] > 0
+  assert default["kernel_calls"] == declared["kernel_calls"]
+  if not kernels.available():
+    pytest.skip("the CPU kernels were not built here: the forced CPU devices ran the XLA ops")
+  assert declared["kernel_calls"] > 0
 
 
 @pytest.mark.parametrize("transform", ["vmap", "grad"])

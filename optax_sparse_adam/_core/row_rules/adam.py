@@ -201,7 +201,16 @@ def block_arithmetic(
   def r(x: jax.Array) -> jax.Array:
     return rounded(x, block.opaque_zero)
 
-  return c, r, block.store or nearest_store(block.slots)
+  store = block.store or nearest_store(block.slots)
+
+  def pinned_store(name: str, x: jax.Array) -> jax.Array:
+    # A rule reads a stored slot back in the same step (the denominator, amsgrad's
+    # max). XLA:GPU's default excess precision would read a 16-bit slot's float32
+    # value from before its rounding, where torch (and XLA:CPU) read the stored one.
+    stored = store(name, x)
+    return r(stored) if stored.dtype.itemsize < 4 else stored
+
+  return c, r, pinned_store
 
 
 @dataclasses.dataclass(frozen=True)
