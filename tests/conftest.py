@@ -6,6 +6,13 @@ import sys
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Two test workers (addopts: -n 2) share one GPU where JAX_PLATFORMS selects it.
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+# On a GPU, scatter-adds sum a row's duplicates with atomics in no fixed order, so two
+# runs of one step can differ in their last bits (measured on an H100; same bits with
+# this flag: docs/performance/gpu.md). Tests compare runs of one path exactly.
+if "xla_gpu_deterministic_ops" not in os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_gpu_deterministic_ops=true"
+  ).strip()
 
 import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
