@@ -232,6 +232,42 @@ def test_step_lowered_for_an_accelerator_is_the_accelerator_path(platform, optio
   assert text.count('"stablehlo.sort"') == 1  # one sort of the ids
 
 
+EVERY_RULE = {
+  "sparse_adamw": lambda: osa.sparse_adamw(1e-3, weight_decay=1e-2),
+  "catch_up": lambda: osa.sparse_adam(1e-3, catch_up_idle_rows=True),
+  "rowwise_nu": lambda: osa.sparse_adam(1e-3, rowwise_second_moment=True),
+  "bf16_stochastic": lambda: osa.sparse_adam(
+    1e-3, mu_dtype=jnp.bfloat16, nu_dtype=jnp.bfloat16, moment_rounding="stochastic"
+  ),
+  "sgd_momentum": lambda: osa.sparse_sgd(1e-2, momentum=0.9, lazy_momentum=True),
+  "adagrad": lambda: osa.sparse_adagrad(1e-2),
+  "rowwise_adagrad": lambda: osa.sparse_rowwise_adagrad(1e-2),
+}
+
+
+@pytest.mark.parametrize("rule", list(EVERY_RULE))
+def test_every_rule_lowered_for_cuda_writes_each_table_once(rule):
+  """Every rule and option takes the accelerator path on a GPU: one sort, no loop, no
+  custom call, and each of its tables (param and every table-shaped slot) written once."""
+  opt = EVERY_RULE[rule]()
+  lowered = _lowered(opt, "cuda")
+  text = lowered.as_text()
+  assert "stablehlo.while" not in text
+  assert "stablehlo.custom_call" not in text
+  assert text.count('"stablehlo.sort"') == 1
+  params = {"w": jnp.zeros((NUM_ROWS, DIM), jnp.float32)}
+  for dtype in (jnp.float32, jnp.bfloat16):
+    tables = [
+      x
+      for x in jax.tree.leaves((params, opt.init(params)))
+      if x.shape == (NUM_ROWS, DIM) and x.dtype == dtype
+    ]
+    shape = f"tensor<{NUM_ROWS}x{DIM}x{jnp.dtype(dtype).name.replace('float', 'f')}>"
+    writes = _table_writes(lowered, shape)
+    assert writes.get("stablehlo.scatter", 0) == len(tables), (dtype, writes)
+    assert set(writes) <= {"stablehlo.scatter", "stablehlo.case", "func.call"}, writes
+
+
 def test_the_lowering_check_can_fail():
   """The generic XLA path, lowered for CUDA, writes a fourth table (its slot marks in m)."""
   lowered = _lowered(osa.sparse_adam(1e-3), "cuda", forced=choice.GENERIC_XLA)
