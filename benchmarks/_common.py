@@ -59,10 +59,12 @@ def uniform_ids(rng: np.random.Generator, num_rows: int, size: int):
   return rng.integers(0, num_rows, size, dtype=np.int32)
 
 
-def id_batches(dist: str, num_rows: int, batch: int, seed: int = 0) -> list[np.ndarray]:
+def id_batches(
+  dist: str, num_rows: int, batch: int, seed: int = 0, count: int = NUM_BATCHES
+) -> list[np.ndarray]:
   rng = np.random.default_rng(seed)
   draw = zipf_ids if dist == "zipf" else uniform_ids
-  return [draw(rng, num_rows, batch) for _ in range(NUM_BATCHES)]
+  return [draw(rng, num_rows, batch) for _ in range(count)]
 
 
 def grad_values(batch: int, dim: int, seed: int = 1) -> list[np.ndarray]:

@@ -10,7 +10,10 @@ per-round ratio option / default (and the range), and the ratio of the fastest
 rounds (the least disturbed on a loaded machine), for the CPU kernels (where
 they apply) and, with `--xla`, for the XLA ops (the kernels off: where these
 options ran before their kernels). Only one option's tables are held at a time
-next to the default's.
+next to the default's. `--batches` distinct id batches are cycled (128 by
+default): with few, rows come back at a few fixed intervals, and catch-up, whose
+per-row factors depend on how long a row was idle, computes fewer of them than in
+training.
 
 Run from the repository root:
 
@@ -141,11 +144,20 @@ def main(argv=None) -> None:
   parser.add_argument("--dist", nargs="*", default=["zipf", "uniform"], help="id distributions")
   parser.add_argument("--only", nargs="*", default=None, help="options to time (default: all)")
   parser.add_argument("--xla", action="store_true", help="also time each option on XLA ops")
+  parser.add_argument(
+    "--batches",
+    type=int,
+    default=128,
+    help="distinct id batches cycled (catch-up's idle counts vary as in training only with many)",
+  )
   args = parser.parse_args(argv)
   names = args.only or list(OPTIONS)
   v, d, b = args.vocab, args.dim, args.batch
 
-  print(f"# every option's step / the default step: V={v:,}, D={d}, B={b:,}, float32 table")
+  print(
+    f"# every option's step / the default step: V={v:,}, D={d}, B={b:,}, float32 table,"
+    f" {args.batches} id batches cycled"
+  )
   print(f"machine: {c.machine()}; CPU kernels built: {kernels.available()}")
   print(
     f"median (range) of the ratios in {args.rounds} interleaved rounds of {args.steps} steps"
@@ -157,10 +169,12 @@ def main(argv=None) -> None:
   print("|---" * (1 + len(columns)) + "|")
   grads_of = {}
   for dist in args.dist:
-    ids, values = c.id_batches(dist, v, b), c.grad_values(b, d)
+    # Values cycle apart from the ids: only the ids decide which rows are idle, and how long.
+    ids = c.id_batches(dist, v, b, count=args.batches)
+    values = [jnp.asarray(x) for x in c.grad_values(b, d)]
     grads_of[dist] = [
-      {"table": sparse.BCOO((jnp.asarray(x), jnp.asarray(i[:, None])), shape=(v, d))}
-      for i, x in zip(ids, values, strict=True)
+      {"table": sparse.BCOO((values[k % len(values)], jnp.asarray(i[:, None])), shape=(v, d))}
+      for k, i in enumerate(ids)
     ]
   defaults = {dist: _Stepper(osa.sparse_adam(1e-3), v, grads_of[dist]) for dist in args.dist}
   for name in names:

@@ -56,16 +56,18 @@ CatchUpConstants CatchUpAt(int32_t step) {
                           1e-3f, false,  false,  BaseOf(log_b1), BaseOf(log_b1 - 0.5f * log_b2)};
 }
 
-// One row of an option's step kernel: `AdamRow` with the option's flags.
+// One row of an option's step kernel: `AdamRow` with the option's flags (catch-up's terms where
+// `idle`, as the kernel decides per row).
 template <typename T>
-void StepRow(const Option& opt, float* d, T* m, T* v, T* vm, const RowExtras* x, int64_t D) {
+void StepRow(const Option& opt, bool idle, float* d, T* m, T* v, T* vm, const RowExtras* x,
+             int64_t D) {
   constexpr bool kBf16 = std::is_same_v<T, uint16_t>;
   const auto run = [&](auto decay, auto catch_up, auto amsgrad) {
     AdamRow<T, T, kBf16, decltype(decay)::value, decltype(catch_up)::value,
             decltype(amsgrad)::value>(d, m, v, D, false, .1f, .001f, 1e-8f, -1e-3f, 0x1234u, x,
                                       vm);
   };
-  WithOptions(opt.param ? kDecoupled : kNoDecay, opt.catch_up, opt.amsgrad, run);
+  WithOptions(opt.param ? kDecoupled : kNoDecay, idle, opt.amsgrad, run);
 }
 
 }  // namespace
@@ -156,6 +158,15 @@ int main(int argc, char** argv) {
         x.p = &p[row * D];
         x.decay = 1e-5f;
         if (opt.per_row) steps[row] += 1;
+        // As the kernel: a row updated at the previous step (no idle step) with
+        // finite values skips catch-up's terms.
+        const auto finite = [&] {
+          return (opt.bf16 ? AllFinite(&mb[row * D], D) && AllFinite(&vb[row * D], D)
+                           : AllFinite(&m[row * D], D) && AllFinite(&v[row * D], D)) &&
+                 (!opt.param || AllFinite(&p[row * D], D)) &&
+                 (!opt.amsgrad || AllFinite(&vmax[row * D], D));
+        };
+        const bool idle = opt.catch_up && (last[row] < constants.step - 1 || !finite());
         if (opt.catch_up) {
           const CatchUpRow& c = CachedCatchUpRow(constants, last[row], call);
           x.pow_b1 = c.pow_b1;
@@ -166,9 +177,10 @@ int main(int argc, char** argv) {
           last[row] = std::max(last[row], constants.step);
         }
         if (opt.bf16) {
-          StepRow(opt, d, &mb[row * D], &vb[row * D], static_cast<uint16_t*>(nullptr), &x, D);
+          StepRow(opt, idle, d, &mb[row * D], &vb[row * D], static_cast<uint16_t*>(nullptr), &x, D);
         } else {
-          StepRow(opt, d, &m[row * D], &v[row * D], vmax.empty() ? nullptr : &vmax[row * D], &x, D);
+          StepRow(opt, idle, d, &m[row * D], &v[row * D], vmax.empty() ? nullptr : &vmax[row * D],
+                  &x, D);
         }
       }
       for (int64_t s = 0; s < nr; ++s) {  // apply_updates' scatter-add

@@ -132,6 +132,25 @@ def test_rows_updated_every_step_agree_bit_for_bit():
     )
 
 
+def test_rows_idle_0_steps_with_an_infinite_value_are_caught_up_as_the_xla_ops_do():
+  """The kernel skips catch-up's terms on rows idle 0 steps only where all their values are
+  finite: with AdamW an infinite parameter makes the window's (zero) decay `0 * inf` NaN, as
+  in the XLA ops (skipped, the update would be -inf)."""
+  opt = OPTIONS["adamw"]()
+  params = {"w": jnp.ones((VOCAB, DIM)).at[0, 0].set(jnp.inf)}
+  ids = jnp.array([[0], [1]])
+  grads = {"w": sparse.BCOO((jnp.ones((2, DIM)), ids), shape=(VOCAB, DIM))}
+  updates = []
+  for path in ({}, {"forced": choice.GENERIC_XLA}):
+    with choice.choose(**path):
+      update = jax.jit(opt.update)
+      _, state = update(grads, opt.init(params), params)  # rows 0 and 1 then idle 0 steps
+      delta = update(grads, state, params)[0]["w"]
+      updates.append(np.asarray(delta.todense() if isinstance(delta, sparse.BCOO) else delta))
+  assert np.isnan(updates[1][0, 0])
+  np.testing.assert_array_equal(updates[0][:2], updates[1][:2])
+
+
 def test_the_paths_differ_where_idle_rows_are_caught_up():
   """The comparison above can fail: catch-up moves idle rows (lazy Adam leaves them)."""
   pattern = _pattern(11)

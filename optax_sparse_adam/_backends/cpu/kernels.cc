@@ -364,6 +364,21 @@ CatchUpRow CatchUpRowOf(const CatchUpConstants& c, int32_t last) {
   return row;
 }
 
+// Whether all `n` values at `x` (float32 or bf16 bits) are finite: one pass of
+// bit tests, vectorized, no branch per value.
+inline bool AllFinite(const float* x, int64_t n) {
+  uint32_t any = 0;
+  for (int64_t j = 0; j < n; ++j) {
+    any |= static_cast<uint32_t>((Bits(x[j]) & 0x7F800000u) == 0x7F800000u);
+  }
+  return any == 0;
+}
+inline bool AllFinite(const uint16_t* x, int64_t n) {
+  uint32_t any = 0;
+  for (int64_t j = 0; j < n; ++j) any |= static_cast<uint32_t>((x[j] & 0x7F80u) == 0x7F80u);
+  return any == 0;
+}
+
 // Rows idle since the same step share their values (all rows never touched, all
 // rows touched at the last step, rows touched in the same earlier step): a cache
 // per thread, keyed by the last step, its entries tagged with the call that
@@ -560,16 +575,27 @@ ffi::Error FusedAdamOptionsImpl(
         x.p = options.p;
         const float row_neg_step_size =
             options.scales == nullptr ? neg_step_size : -*options.scales;
-        if (catch_up) {
+        // A row updated at the previous step has no idle step (k = 0): its
+        // catch-up multiplies the moments by 1 and adds a zero shift, so, with
+        // finite moments (and parameter, with AdamW), the row runs the loop
+        // without it: the same values, but for the sign of a zero delta.
+        // Catch-up's per-value square root and division are most of its cost,
+        // and a quarter of Zipf ids' rows are touched at consecutive steps.
+        const bool catch_row =
+            catch_up &&
+            (last[r.row] < constants.step - 1 || !AllFinite(r.m, r.size) ||
+             !AllFinite(r.v, r.size) || (decay != kNoDecay && !AllFinite(x.p, r.size)) ||
+             (options.vmax != nullptr && !AllFinite(options.vmax, r.size)));
+        if (catch_row) {
           const CatchUpRow& scalars = CachedCatchUpRow(constants, last[r.row], call);
           x.pow_b1 = scalars.pow_b1;
           x.pow_b2 = scalars.pow_b2;
           x.by_b1 = scalars.by_b1;
           x.by_r = scalars.by_r;
           x.decay_minus_one = scalars.decay_minus_one;
-          last[r.row] = std::max(last[r.row], constants.step);
         }
-        WithOptions(decay, catch_up, options.vmax != nullptr, [&](auto d, auto caught, auto ams) {
+        if (catch_up) last[r.row] = std::max(last[r.row], constants.step);
+        WithOptions(decay, catch_row, options.vmax != nullptr, [&](auto d, auto caught, auto ams) {
           AdamRow<typename R::Mu, typename R::Nu, R::kStochastic, decltype(d)::value,
                   decltype(caught)::value, decltype(ams)::value>(
               r.g, r.m, r.v, r.size, maximize, c[0], c[1], c[2], row_neg_step_size, r.key, &x,
