@@ -6,7 +6,7 @@
 #
 #   OUT=/tmp/gpu bash benchmarks/gpu_session.sh          # on a machine with a CUDA jax
 #   PLATFORM=cpu SMALL=1 OUT=/tmp/gpu bash benchmarks/gpu_session.sh   # a CPU dry run
-set -u
+set -u -o pipefail
 OUT=${OUT:-/tmp/gpu_session}
 PLATFORM=${PLATFORM:-cuda}
 PY=${PYTHON:-python3}
@@ -27,7 +27,7 @@ for flags in "" "--xla_gpu_deterministic_ops=true"; do
   JAX_PLATFORMS=$PLATFORM,cpu XLA_FLAGS=$flags timeout "${DET_S:-50}" \
     $PY -m benchmarks.gpu_determinism "${det[@]}" 2>&1 | tee -a "$OUT/determinism.txt"
 done
-JAX_PLATFORMS=$PLATFORM timeout "${TEST_S:-160}" $PY -m pytest -q -p no:cacheprovider -o addopts= \
+JAX_PLATFORMS=$PLATFORM timeout "${TEST_S:-300}" $PY -m pytest -q -p no:cacheprovider -o addopts= \
   -p no:benchmark -m "not slow" --strict-markers -n "${WORKERS:-8}" --dist loadfile --maxfail=40 -rfEs \
   "${tests[@]}" > "$OUT/pytest.txt" 2>&1
 echo "pytest exit $?"; grep -E "passed|failed|error" "$OUT/pytest.txt" | tail -3

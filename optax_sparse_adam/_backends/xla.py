@@ -103,6 +103,12 @@ def masked_step(
     idle = jnp.maximum(inputs.step - 1 - last, 0)
     caught = closed_form(IdleBlock(slot_rows, idle, last, compute_dtype), inputs.hyper)
     slot_rows, shift = caught.slot_rows, caught.shift
+    # The caught-up 16-bit slots are read back by the rule below: pinned to their
+    # stored bits, as `block_arithmetic`'s store does (XLA:GPU's excess precision).
+    slot_rows = {
+      name: rounded(x, inputs.opaque_zero) if x.dtype.itemsize < 4 else x
+      for name, x in slot_rows.items()
+    }
     if caught.decay_minus_one is not None:
       assert param_rows is not None
       shift = shift + caught.decay_minus_one * param_rows

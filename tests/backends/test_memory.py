@@ -114,10 +114,11 @@ def test_donated_step_has_no_table_sized_temporaries(options, cpu_kernels):
   _assert_in_place(osa.sparse_adam(1e-3, **options), params, grads, cpu_kernels=cpu_kernels)
 
 
-# Measured on an H100 (jax 0.11.2, benchmarks/gpu_session.sh): XLA:GPU copies an
-# n_sparse=2 table's m and v in each step (a 4.8 MB temporary for a (100003, 3, 4)
-# table; every other layout is in place there too). docs/performance/gpu.md.
-N_SPARSE_2_COPIED = BACKEND != "cpu"
+# Measured on an H100 (jax 0.11.2, before the tests set XLA's deterministic GPU ops):
+# XLA:GPU copied an n_sparse=2 table's m and v in each step (a 4.8 MB temporary for a
+# (100003, 3, 4) table; every other layout in place there too). docs/performance/gpu.md.
+# Not strict: not yet measured with the deterministic-ops flag, nor on ROCm or a TPU.
+N_SPARSE_2_COPIED = BACKEND == "gpu"
 
 
 @CPU_PATHS
@@ -139,7 +140,7 @@ def test_donated_step_in_place_for_every_layout_and_many_tables(cpu_kernels):
 
 @pytest.mark.xfail(
   N_SPARSE_2_COPIED,
-  strict=True,
+  strict=False,
   reason=f"measured on an H100: XLA:GPU copies an n_sparse=2 table's moments each step; "
   f"this backend is {BACKEND}",
 )

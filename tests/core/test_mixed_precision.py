@@ -86,3 +86,19 @@ def test_a_narrow_moment_is_read_back_as_stored(platform):
     text = traced.lower(lowering_platforms=(platform,)).as_text()
     pinned[nu_dtype] = re.search(r"stablehlo\.xor .*tensor<\d+x\d+xi16>", text) is not None
   assert pinned == {jnp.float16: True, jnp.float32: False}
+
+
+def test_caught_up_narrow_moments_are_read_back_as_stored():
+  """Catch-up's 16-bit moments, read back by the step, pass through their bits too."""
+  params = {"t": jnp.zeros((16, 4), jnp.float32)}
+  grads = {"t": sparse.BCOO((jnp.ones((2, 4)), jnp.array([[1], [3]])), shape=(16, 4))}
+  pins = {}
+  for catch_up in (False, True):
+    opt = osa.sparse_adam(
+      1e-3, mu_dtype=jnp.bfloat16, nu_dtype=jnp.bfloat16, catch_up_idle_rows=catch_up
+    )
+    traced = jax.jit(train_step(opt)).trace(params, opt.init(params), grads)
+    text = traced.lower(lowering_platforms=("cuda",)).as_text()
+    pins[catch_up] = len(re.findall(r"stablehlo\.xor .*tensor<\d+x\d+xi16>", text))
+  assert pins[False] >= 2  # the step's stores of mu and nu
+  assert pins[True] == pins[False] + 2  # and the caught-up mu and nu
