@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import optax
 
 from optax_sparse_adam._core import bcoo, coalesce, rounding
-from optax_sparse_adam._core.row_rules.adam import rounded
+from optax_sparse_adam._core.row_rules.adam import rounded, rounded_if_narrow
 from optax_sparse_adam._core.row_rules.rowwise_adam import pairwise_row_sum
 from optax_sparse_adam._core.rules import (
   IdleBlock,
@@ -103,12 +103,8 @@ def masked_step(
     idle = jnp.maximum(inputs.step - 1 - last, 0)
     caught = closed_form(IdleBlock(slot_rows, idle, last, compute_dtype), inputs.hyper)
     slot_rows, shift = caught.slot_rows, caught.shift
-    # The caught-up 16-bit slots are read back by the rule below: pinned to their
-    # stored bits, as `block_arithmetic`'s store does (XLA:GPU's excess precision).
-    slot_rows = {
-      name: rounded(x, inputs.opaque_zero) if x.dtype.itemsize < 4 else x
-      for name, x in slot_rows.items()
-    }
+    # The caught-up slots are read back by the rule below.
+    slot_rows = {name: rounded_if_narrow(x, inputs.opaque_zero) for name, x in slot_rows.items()}
     if caught.decay_minus_one is not None:
       assert param_rows is not None
       shift = shift + caught.decay_minus_one * param_rows

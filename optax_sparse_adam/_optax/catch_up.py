@@ -154,9 +154,8 @@ def check_options(options: Any, config: rules.StepConfig) -> None:
         "static_args=('weight_decay',)."
       )
     )
-  if not options.amsgrad:
-    b1, b2 = known_betas(options.b1, options.b2)
-  if not options.amsgrad and b1 >= b2**0.5:
+  b1, b2 = (None, None) if options.amsgrad else known_betas(options.b1, options.b2)
+  if b1 is not None and b2 is not None and b1 >= b2**0.5:
     raise ValueError(
       f"catch_up_idle_rows=True needs b1 < sqrt(b2) (got b1={b1}, b2={b2}, "
       f"sqrt(b2)={b2**0.5:.6g}): otherwise the catch-up's bound on the parameter grows "

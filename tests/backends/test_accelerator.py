@@ -26,9 +26,6 @@ from tests._helpers import (
   train_step,
 )
 
-_assert_same = assert_paths_agree  # same bits on the CPU (same sums, same order); close elsewhere
-
-
 # name: (parameter shape, n_sparse)
 LAYOUTS = {
   "embedding": ((50, 8), 1),
@@ -100,8 +97,8 @@ def test_accelerator_step_equals_the_default_and_generic_paths(layout, option, u
     forced: _train(make(**kwargs), shape, batches, use_jit=use_jit, forced=forced)
     for forced in (None, choice.ACCELERATOR, choice.GENERIC_XLA)
   }
-  _assert_same(runs[choice.ACCELERATOR], runs[None])
-  _assert_same(runs[choice.ACCELERATOR], runs[choice.GENERIC_XLA])
+  assert_paths_agree(runs[choice.ACCELERATOR], runs[None])
+  assert_paths_agree(runs[choice.ACCELERATOR], runs[choice.GENERIC_XLA])
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "f16"])
@@ -113,7 +110,7 @@ def test_accelerator_step_with_low_precision_params_and_f32_moments(dtype):
     _train(opt, shape, batches, use_jit=True, forced=forced, dtype=dtype)
     for forced in (None, choice.ACCELERATOR)
   ]
-  _assert_same(runs[0], runs[1])
+  assert_paths_agree(runs[0], runs[1])
 
 
 def _update(idx, val, shape):
@@ -140,7 +137,7 @@ def test_accelerator_apply_updates(use_jit):
       if 0 <= i < 30:
         expected[i] += v
     np.testing.assert_allclose(on_accelerator, expected, rtol=1e-6, atol=1e-6)
-    _assert_same(on_accelerator, generic)
+    assert_paths_agree(on_accelerator, generic)
 
 
 # The compiled program, forced onto this backend.

@@ -129,6 +129,16 @@ def rounded(x: jax.Array, opaque_zero: jax.Array | None) -> jax.Array:
   return _xor_bits(x, opaque_zero)
 
 
+def rounded_if_narrow(x: jax.Array, opaque_zero: jax.Array | None) -> jax.Array:
+  """A stored slot value about to be read back in the step: pinned to its bits if 16-bit.
+
+  XLA:GPU's default excess precision drops a float32 -> 16-bit -> float32 round
+  trip, so the step would read a 16-bit slot's value from before its rounding,
+  where torch (and XLA:CPU) read the stored one.
+  """
+  return rounded(x, opaque_zero) if x.dtype.itemsize < 4 else x
+
+
 @jax.custom_jvp
 def _xor_bits(x: jax.Array, opaque_zero: jax.Array) -> jax.Array:
   int_dtype = {2: jnp.int16, 4: jnp.int32, 8: jnp.int64}[x.dtype.itemsize]
@@ -204,11 +214,8 @@ def block_arithmetic(
   store = block.store or nearest_store(block.slots)
 
   def pinned_store(name: str, x: jax.Array) -> jax.Array:
-    # A rule reads a stored slot back in the same step (the denominator, amsgrad's
-    # max). XLA:GPU's default excess precision would read a 16-bit slot's float32
-    # value from before its rounding, where torch (and XLA:CPU) read the stored one.
-    stored = store(name, x)
-    return r(stored) if stored.dtype.itemsize < 4 else stored
+    # A rule reads a stored slot back in the same step (the denominator, amsgrad's max).
+    return rounded_if_narrow(store(name, x), block.opaque_zero)
 
   return c, r, pinned_store
 
