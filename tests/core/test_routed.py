@@ -6,6 +6,7 @@ tests/core/test_sharding.py; this process keeps its single device.
 
 import warnings
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -206,6 +207,25 @@ def test_overflow_warning_waits_for_a_steady_share(overflowed):
   assert len(warned) == overflowed, [str(w.message) for w in caught]
   if overflowed:
     assert f"{WARN_AFTER} of {routed + WARN_AFTER} routed optimizer steps" in str(warned[0].message)
+
+
+def test_overflow_warning_made_an_error_does_not_fail_the_step(caplog):
+  """Under `-W error` the advice is logged: raised in the step's callback, it would fail
+  a step whose results are right."""
+  osa.routing_stats(reset=True)
+
+  @jax.jit
+  def overflowing_steps(flag):
+    for _ in range(WARN_AFTER):
+      overflow.note(overflow.STEP, flag)
+    return flag + 1
+
+  with warnings.catch_warnings(), caplog.at_level("WARNING"):
+    warnings.simplefilter("error", osa.RoutingOverflowWarning)
+    assert int(overflowing_steps(jnp.int32(overflow.OVERFLOWED))) == overflow.OVERFLOWED + 1
+    stats = osa.routing_stats(reset=True)
+  assert stats.overflowed_steps == WARN_AFTER
+  assert any("RoutingOverflowWarning" in record.getMessage() for record in caplog.records)
 
 
 def test_routing_stats_on_one_device_count_nothing():
