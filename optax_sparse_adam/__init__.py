@@ -25,6 +25,8 @@ from optax_sparse_adam._core.row_rules.rowwise_adagrad import (
 )
 from optax_sparse_adam._core.row_rules.sgd import SGDHyperparams as SGDHyperparams
 from optax_sparse_adam._core.row_rules.sgd import SGDRule as SGDRule
+from optax_sparse_adam._core.row_update import DensifyingUpdateWarning as DensifyingUpdateWarning
+from optax_sparse_adam._core.row_update import RowUpdate as RowUpdate
 from optax_sparse_adam._core.rules import CatchUp as CatchUp
 from optax_sparse_adam._core.rules import CaughtUp as CaughtUp
 from optax_sparse_adam._core.rules import IdleBlock as IdleBlock
@@ -46,6 +48,7 @@ from optax_sparse_adam._optax.catch_up import catch_up_rows as catch_up_rows
 from optax_sparse_adam._optax.checks import check_sparse_grads as check_sparse_grads
 from optax_sparse_adam._optax.checks import sparse_grad_checks as sparse_grad_checks
 from optax_sparse_adam._optax.composition import lift_to_bcoo as lift_to_bcoo
+from optax_sparse_adam._optax.composition import on_dense_shapes as on_dense_shapes
 from optax_sparse_adam._optax.composition import sparse_apply_if_finite as sparse_apply_if_finite
 from optax_sparse_adam._optax.leaf import sparse_adam_leaf_step as sparse_adam_leaf_step
 from optax_sparse_adam._optax.multi_steps import RowBuffer as RowBuffer
@@ -54,6 +57,9 @@ from optax_sparse_adam._optax.multi_steps import sparse_multi_steps as sparse_mu
 from optax_sparse_adam._optax.optimizers import sparse_adagrad as sparse_adagrad
 from optax_sparse_adam._optax.optimizers import sparse_rowwise_adagrad as sparse_rowwise_adagrad
 from optax_sparse_adam._optax.optimizers import sparse_sgd as sparse_sgd
+from optax_sparse_adam._optax.param_ema import ParamEMAState as ParamEMAState
+from optax_sparse_adam._optax.param_ema import ema_params as ema_params
+from optax_sparse_adam._optax.param_ema import sparse_param_ema as sparse_param_ema
 from optax_sparse_adam._optax.rule_transform import SparseRuleState as SparseRuleState
 from optax_sparse_adam._optax.rule_transform import (
   sparse_rule_transformation as sparse_rule_transformation,
@@ -69,14 +75,17 @@ __all__ = (
   "AdamCoefficients",
   "CatchUp",
   "CaughtUp",
+  "DensifyingUpdateWarning",
   "HugePageAdvice",
   "IdleBlock",
   "LeafState",
+  "ParamEMAState",
   "RoutingOverflowWarning",
   "RoutingStats",
   "RowBlock",
   "RowBuffer",
   "RowRule",
+  "RowUpdate",
   "RowwiseAdagradHyperparams",
   "RowwiseAdagradRule",
   "SGDHyperparams",
@@ -91,9 +100,11 @@ __all__ = (
   "catch_up_rows",
   "check_sparse_grads",
   "coalesce_rows",
+  "ema_params",
   "from_cyclic_rows",
   "cpu_kernels_available",
   "lift_to_bcoo",
+  "on_dense_shapes",
   "routing_stats",
   "sharded_lookup",
   "sharded_routing",
@@ -104,6 +115,7 @@ __all__ = (
   "sparse_apply_if_finite",
   "sparse_grad_checks",
   "sparse_multi_steps",
+  "sparse_param_ema",
   "sparse_rowwise_adagrad",
   "sparse_rule_transformation",
   "sparse_sgd",

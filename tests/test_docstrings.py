@@ -12,6 +12,7 @@ MODULES = [
   "optax_sparse_adam._optax.state",
   "optax_sparse_adam._optax.apply",
   "optax_sparse_adam._optax.composition",
+  "optax_sparse_adam._optax.param_ema",
   "optax_sparse_adam._optax.multi_steps",
   "optax_sparse_adam._optax.checks",
   "optax_sparse_adam._backends.cpu.kernels",

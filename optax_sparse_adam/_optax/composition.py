@@ -17,7 +17,7 @@ cannot be lifted this way; `sparse_apply_if_finite` (here) and
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -26,7 +26,7 @@ import optax
 from jax import lax
 from jax.experimental import sparse
 
-from optax_sparse_adam._core import bcoo, coalesce
+from optax_sparse_adam._core import bcoo, coalesce, row_update
 from optax_sparse_adam._core.errors import (
   describe,
   flatten_grads,
@@ -90,8 +90,9 @@ def _lift(updates: Any, params: Any, who: str) -> _Lifted:
       lifted_params.append(param)
       continue
     layout = checked_row_layout(grad, _param_shape(grad, param), path, who)
+    indices = row_update.checked_indices(grad, path, what="update")
     coalesced = coalesce.coalesce_rows(
-      bcoo.linear_rows(grad.indices, layout), grad.data, layout.num_rows
+      bcoo.linear_rows(indices, layout), grad.data, layout.num_rows
     )
     rows.append((layout, coalesced.rows))
     values.append(coalesced.values)
@@ -198,7 +199,7 @@ def lift_to_bcoo(inner: optax.GradientTransformation) -> optax.GradientTransform
     )
     leaves_with_path, _ = flatten_grads(updates)
     out = []
-    for (path, _), out_leaf, values_leaf, lifted_rows in zip(
+    for (path, in_leaf), out_leaf, values_leaf, lifted_rows in zip(
       leaves_with_path, out_leaves, lifted.values, lifted.rows, strict=True
     ):
       if lifted_rows is None:
@@ -215,7 +216,11 @@ def lift_to_bcoo(inner: optax.GradientTransformation) -> optax.GradientTransform
       valid = (rows < layout.num_rows).reshape((-1,) + (1,) * len(layout.dense_shape))
       # Padding slots stay zero whatever the wrapped transformation maps 0 to.
       data = jnp.where(valid, out_leaf, jnp.zeros((), jnp.result_type(out_leaf)))
-      out.append(bcoo.rows_to_bcoo(bcoo.CoalescedRows(rows, data), layout))
+      lifted_update = bcoo.rows_to_bcoo(bcoo.CoalescedRows(rows, data), layout)
+      # A RowUpdate in (after an optimizer) gives a RowUpdate out; a gradient stays a BCOO.
+      if isinstance(in_leaf, row_update.RowUpdate):
+        lifted_update = row_update.seal(lifted_update)
+      out.append(lifted_update)
     return lifted.treedef.unflatten(out), new_state
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
@@ -235,7 +240,9 @@ def empty_updates_like(shapes: Any) -> Any:
       nse, n_sparse = s.indices.shape[-2:]
       leading = s.shape[s.n_batch] + jnp.arange(nse, dtype=s.indices.dtype)
       indices = jnp.zeros(s.indices.shape, s.indices.dtype).at[..., 0].set(leading)
-      return sparse.BCOO(
+      # A RowUpdate stays one, its check made for the padding ids.
+      empty_type = row_update.RowUpdate if isinstance(s, row_update.RowUpdate) else sparse.BCOO
+      return empty_type(
         (
           _typed_like(jnp.zeros(s.data.shape, s.data.dtype), s.data),
           _typed_like(indices, s.indices),
@@ -269,7 +276,8 @@ def _all_finite(updates: Any, params: Any, who: str) -> jax.Array:
     if isinstance(leaf, sparse.BCOO):
       layout = checked_row_layout(leaf, _param_shape(leaf, param), path, who)
       # A dense sum is non-finite exactly when one of its in-range terms is.
-      valid = bcoo.linear_rows(leaf.indices, layout) < layout.num_rows
+      indices = row_update.checked_indices(leaf, path, what="update")
+      valid = bcoo.linear_rows(indices, layout) < layout.num_rows
       finite = jnp.isfinite(leaf.data)
       entry_finite = jnp.all(finite, axis=tuple(range(1, finite.ndim)))
       checks.append(jnp.all(entry_finite | ~valid))
@@ -352,3 +360,50 @@ def sparse_apply_if_finite(
     )
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def on_dense_shapes(fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
+  """Wraps a mask or label function so that it sees params and BCOO gradients alike.
+
+  `optax.masked` and `optax.multi_transform` call a callable `mask`/`labels` on the
+  params at `init` and on the gradients at `update`. A function that maps over its tree
+  (`jax.tree.map(lambda x: x.ndim > 1, tree)`) then maps into a BCOO gradient's
+  `data` and `indices` and returns another tree than it did for the params, which optax
+  reports as a pytree structure error. The wrapped function is called on the tree's
+  shapes instead: every array and every BCOO leaf becomes a `jax.ShapeDtypeStruct` of
+  the dense leaf's shape and dtype, so it gives one tree for both.
+
+  Args:
+    fn: a function from a tree of parameters (or their shapes) to a tree of masks or
+      labels. It may read each leaf's `shape`, `ndim`, `size` and `dtype`, not its values.
+
+  Returns:
+    The function to give to `optax.masked` or `optax.multi_transform`.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax
+    >>> from jax.experimental import sparse
+    >>> import optax_sparse_adam as osa
+    >>> params = {"table": jnp.zeros((8, 2)), "bias": jnp.zeros(2)}
+    >>> is_table = osa.on_dense_shapes(lambda p: jax.tree.map(lambda x: x.ndim == 2, p))
+    >>> opt = optax.masked(osa.sparse_adam(0.1), is_table)
+    >>> grads = {"table": sparse.BCOO((jnp.ones((1, 2)), jnp.array([[3]])), shape=(8, 2)),
+    ...          "bias": jnp.ones(2)}
+    >>> updates, _ = opt.update(grads, opt.init(params), params)
+    >>> [round(x, 4) for x in osa.apply_updates(params, updates)["table"][3].tolist()]
+    [-0.1, -0.1]
+  """
+
+  def on_shapes(tree: Any) -> Any:
+    shapes = jax.tree.map(
+      lambda x: x if x is None else jax.ShapeDtypeStruct(jnp.shape(x), _dtype_of(x)),
+      tree,
+      is_leaf=is_grad_leaf,
+    )
+    return fn(shapes)
+
+  return on_shapes
+
+
+def _dtype_of(x: Any) -> Any:
+  return x.dtype if isinstance(x, sparse.BCOO) else jnp.result_type(x)

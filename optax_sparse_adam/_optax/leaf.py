@@ -25,7 +25,7 @@ from jax.experimental import sparse
 from jax.sharding import PartitionSpec
 
 from optax_sparse_adam._backends import dispatch
-from optax_sparse_adam._core import bcoo
+from optax_sparse_adam._core import bcoo, row_update
 from optax_sparse_adam._core.errors import is_python_number, path_str
 from optax_sparse_adam._core.row_rules import adam
 from optax_sparse_adam._core.row_rules.adam import AdamCoefficients, AdamRule, LeafState
@@ -170,6 +170,7 @@ def masked_leaf_step(
   """
   param_shape = _param_shape(tables, rule, grad)
   layout = bcoo.row_layout(grad, param_shape, path)
+  grad = row_update.verified(grad, path, what="gradient")
   _check_tables(tables, layout, config, path, rule)
   compute_dtype = jnp.result_type(
     jnp.float32, grad.dtype, *(table.dtype for table in tables.slots.values())
@@ -217,7 +218,7 @@ def masked_leaf_step(
     update = bcoo.rows_to_bcoo(
       coalesced, layout, indices_sorted=False, unique_indices=unique_indices
     )
-    return LeafStep(update, new_step, result.tables)
+    return LeafStep(row_update.seal(update), new_step, result.tables)
   routed.check_placement(None, list(tables.slots.values()), "step")
 
   def run(grad_data, grad_indices, tables, new_step, hyper, opaque_zero):
@@ -250,7 +251,10 @@ def masked_leaf_step(
       (grad.data, grad.indices, tables, new_step, [leaves[i] for i in traced], opaque_zero),
       (update_specs, table_specs),
     )
-  update = sparse.BCOO(
+  # optax.apply_if_finite's rejecting branch is zeros like the gradient, a plain BCOO:
+  # both branches must have one type. Elsewhere the update carries its ids' check.
+  update_type = sparse.BCOO if in_optax_apply_if_finite else row_update.RowUpdate
+  update = update_type(
     (data, indices),
     shape=grad.shape,
     indices_sorted=indices_sorted,
@@ -312,6 +316,7 @@ def scatter_add_bcoo(param: jax.Array, update: sparse.BCOO, path: Sequence[Any] 
   The result has `param`'s sharding.
   """
   layout = bcoo.row_layout(update, param.shape, path, what="update")
+  update = row_update.verified(update, path, what="update")
   route = routed.plan_apply(param, update)
   if route is not None:  # row-split: each device adds the rows it owns
     return routed.scatter_add(

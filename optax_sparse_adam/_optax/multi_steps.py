@@ -15,7 +15,7 @@ import optax
 from jax import lax
 from jax.experimental import sparse
 
-from optax_sparse_adam._core import bcoo
+from optax_sparse_adam._core import bcoo, row_update
 from optax_sparse_adam._core.errors import (
   describe,
   flatten_grads,
@@ -351,7 +351,7 @@ def _buffer_rows(
       f"{who}: the BCOO gradient at {path_str(path)} has rows of shape "
       f"{layout.dense_shape}, but the buffer was built for {buffer.values.shape[1:]}."
     )
-  rows = bcoo.linear_rows(grad.indices, layout)
+  rows = bcoo.linear_rows(row_update.checked_indices(grad, path, what="gradient"), layout)
   pad = cap - grad.nse
   rows = jnp.concatenate([rows, jnp.full((pad,), num_rows, jnp.int32)])
   values = jnp.concatenate(

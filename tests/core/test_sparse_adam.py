@@ -136,8 +136,8 @@ def test_update_is_coalesced_bcoo_and_optax_apply_updates_agrees():
   updates, _ = opt.update({"w": grad}, opt.init(params))
   update = updates["w"]
   assert isinstance(update, sparse.BCOO)
-  # The flags mirror the gradient's, so updates have the gradients' tree structure
-  # (what lax.cond wrappers such as optax.apply_if_finite need); the indices are
+  # The flags mirror the gradient's (inside optax.apply_if_finite the update is a plain
+  # BCOO with the gradient's tree structure, what its lax.cond needs); the indices are
   # sorted and unique whatever the flags say.
   assert (update.unique_indices, update.indices_sorted) == (
     grad.unique_indices,
@@ -149,9 +149,11 @@ def test_update_is_coalesced_bcoo_and_optax_apply_updates_agrees():
   assert np.array_equal(valid, np.unique(idx[idx[:, 0] < 10, 0]))
   assert len(np.unique(rows)) == len(rows)  # padding slots are distinct too
   np.testing.assert_array_equal(np.asarray(update.data)[rows >= 10], 0)
+  assert isinstance(update, osa.RowUpdate)
+  with pytest.warns(osa.DensifyingUpdateWarning):  # right, but dense: told
+    dense_applied = optax.apply_updates(params, updates)
   np.testing.assert_array_equal(
-    np.asarray(osa.apply_updates(params, updates)["w"]),
-    np.asarray(optax.apply_updates(params, updates)["w"]),
+    np.asarray(osa.apply_updates(params, updates)["w"]), np.asarray(dense_applied["w"])
   )
 
 
