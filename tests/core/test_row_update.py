@@ -314,3 +314,12 @@ def test_lifted_after_the_optimizer_equals_the_dense_composition_on_touched_rows
     after[touched], (params["table"] + want["table"])[touched], rtol=1e-6, atol=1e-7
   )
   np.testing.assert_array_equal(after[untouched], params["table"][untouched])
+
+
+def test_lookahead_over_a_sparse_optimizer_is_refused_with_the_route():
+  params = optax.LookaheadParams.init_synced(table())
+  opt = optax.lookahead(osa.sparse_adam(0.5), 2, 0.5)
+  with pytest.raises(ValueError, match="RowUpdate.*docs/composing.md"), warnings.catch_warnings():
+    # Its fast weights take the update with '+' first (told), then it pairs it with state.
+    warnings.simplefilter("ignore", osa.DensifyingUpdateWarning)
+    opt.update(grads(), opt.init(params), params)
