@@ -13,8 +13,8 @@ Each runs in three forms: `nnx.jit` (walks the model and optimizer graph at each
 is cached), and, for the sparse step, `jax.jit` over the `nnx.split` state. It also prints
 what `nnx.jit` walks for each (graph nodes, Variables, array leaves) and the time of a
 no-op `nnx.jit` call over (model, optimizer): the walk alone. All forms run in this
-process, alternating in rounds so that a change in machine load hits each; medians and
-ratios are printed.
+process, taking turns step by step so that a change in machine load hits each; medians
+and ratios are printed.
 
   python -m benchmarks.bench_flax
   python -m benchmarks.bench_flax --num-rows 100000 --rounds 2
@@ -95,9 +95,9 @@ def walk_counts(*nodes):
   return len(graphdef.nodes), len(variables), len(jax.tree.leaves(state))
 
 
-def time_noop(model, optimizer, calls=50):
+def time_noop(model, optimizer, batches):
   times = []
-  for _ in range(calls):
+  for _ in batches:  # one no-op call per batch, to interleave with the steps
     start = time.perf_counter()
     jax.block_until_ready(noop_step(model, optimizer))
     times.append(time.perf_counter() - start)
@@ -144,8 +144,8 @@ def run(num_rows, args):
     "sparse jax.jit split": lambda b: time_pure_steps(pure_step, sparse_model, sparse_opt, b),
     "dense nnx.jit": lambda b: time_steps(dense_step, dense_model, dense_opt, b),
     "dense cached_partial": lambda b: time_cached(dense_cached, b),
-    "walk sparse": lambda b: time_noop(sparse_model, sparse_opt),
-    "walk dense": lambda b: time_noop(dense_model, dense_opt),
+    "walk sparse": lambda b: time_noop(sparse_model, sparse_opt, b),
+    "walk dense": lambda b: time_noop(dense_model, dense_opt, b),
   }
   first_call = {}
   for name, form in forms.items():
@@ -163,9 +163,11 @@ def run(num_rows, args):
   compiled = cache_sizes()
   times = {name: [] for name in forms}
   for r in range(args.rounds):
-    for name, form in forms.items():
-      count = dense_steps if name.startswith("dense") else args.sparse_steps
-      times[name] += form(batches[:count])
+    # Step by step, each form in turn: a burst of load on a shared machine hits them all.
+    for i in range(len(batches)):
+      for name, form in forms.items():
+        if i < (dense_steps if name.startswith("dense") else args.sparse_steps):
+          times[name] += form(batches[i : i + 1])
     print(
       f"V = {num_rows:,}, round {r + 1}/{args.rounds}: "
       + ", ".join(f"{name} {np.median(t) * 1e3:.2f}" for name, t in times.items())

@@ -71,7 +71,7 @@ class SparseOptimizer(nnx.Optimizer):
   of each leaf: with `multi_transform` that is the masked copy of the params
   tree in every moment of every branch, and `nnx.jit` walks all of it on every
   call. One Variable makes the walk of the optimizer smaller than
-  `nnx.Optimizer`'s (docs/flax.md, "What `nnx.jit` walks"). If a `wrt`
+  `nnx.Optimizer`'s (docs/flax.md, "Three forms of the step"). If a `wrt`
   Variable carries sharding metadata (`out_sharding`), the state keeps
   `nnx.Optimizer`'s per-leaf Variables, which carry it for
   `nnx.get_partition_spec`.
