@@ -65,6 +65,17 @@ class SparseOptimizer(nnx.Optimizer):
   grads of `sparse_value_and_grad`; inside `nnx.jit`, donate the model and the
   optimizer so the tables and moments are updated in place.
 
+  The optax state is held whole by one `nnx.OptState` Variable
+  (`optimizer.opt_state`; attribute and item reads reach the state inside it),
+  where `nnx.Optimizer` makes a Variable, and a graph node for every container,
+  of each leaf: with `multi_transform` that is the masked copy of the params
+  tree in every moment of every branch, and `nnx.jit` walks all of it on every
+  call. One Variable makes the walk of the optimizer smaller than
+  `nnx.Optimizer`'s (docs/flax.md, "Three forms of the step"). If a `wrt`
+  Variable carries sharding metadata (`out_sharding`), the state keeps
+  `nnx.Optimizer`'s per-leaf Variables, which carry it for
+  `nnx.get_partition_spec`.
+
   Example:
     >>> from flax import nnx
     >>> import jax.numpy as jnp
@@ -76,13 +87,27 @@ class SparseOptimizer(nnx.Optimizer):
     ...   osa.table_labels(model),
     ... )
     >>> optimizer = osa.SparseOptimizer(model, tx, wrt=nnx.Param)
-    >>> @nnx.jit(donate_argnums=(0, 1))
-    ... def train_step(model, optimizer, ids):
+    >>> def train_step(model, optimizer, ids):
     ...   loss, grads = osa.sparse_value_and_grad(lambda m: (m(ids) ** 2).sum())(model)
     ...   optimizer.update(model, grads)
     ...   return loss
-    >>> loss = train_step(model, optimizer, jnp.array([1, 2]))
+    >>> step = nnx.cached_partial(nnx.jit(train_step, donate_argnums=(0, 1)), model, optimizer)
+    >>> loss = step(jnp.array([1, 2]))
   """
+
+  def __init__(self, model: Any, tx: Any, *, wrt: Any, graph: bool | None = None) -> None:
+    """Creates the optimizer state of `tx` for the `wrt` state of `model`, as `nnx.Optimizer`.
+
+    Args:
+      model: the NNX module to optimize.
+      tx: the optax transformation.
+      wrt: filter of the Variables to update (as `nnx.Optimizer`; typically `nnx.Param`).
+      graph: as `nnx.Optimizer`.
+    """
+    super().__init__(model, tx, wrt=wrt, graph=graph)
+    params = jax.tree.leaves(nnx.state(model, wrt, graph=graph), is_leaf=_is_variable)
+    if not any(_has_sharding_metadata(variable) for variable in params):
+      self.opt_state = nnx.data(nnx.OptState(nnx.as_pure(self.opt_state)))
 
   def update(self, model: Any, grads: Any, /, **kwargs: Any) -> optax.Updates:
     """Updates the optimizer state and the model's parameters from `grads`.
@@ -118,6 +143,12 @@ class SparseOptimizer(nnx.Optimizer):
       variable.set_value(value)
     self.step[...] += 1
     return updates
+
+
+def _has_sharding_metadata(variable: Any) -> bool:
+  """Whether a Variable carries Flax sharding metadata that `nnx.Optimizer` copies to its state."""
+  metadata = variable.get_metadata() if _is_variable(variable) else {}
+  return any(metadata.get(key) for key in ("out_sharding", "optimizer_sharding"))
 
 
 class SparseTrainState(train_state.TrainState):
