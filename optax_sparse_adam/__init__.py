@@ -47,6 +47,10 @@ from optax_sparse_adam._optax.checks import check_sparse_grads as check_sparse_g
 from optax_sparse_adam._optax.checks import sparse_grad_checks as sparse_grad_checks
 from optax_sparse_adam._optax.composition import lift_to_bcoo as lift_to_bcoo
 from optax_sparse_adam._optax.composition import sparse_apply_if_finite as sparse_apply_if_finite
+from optax_sparse_adam._optax.deltas import RowsDelta as RowsDelta
+from optax_sparse_adam._optax.deltas import apply_rows_delta as apply_rows_delta
+from optax_sparse_adam._optax.deltas import changed_rows as changed_rows
+from optax_sparse_adam._optax.deltas import rows_delta as rows_delta
 from optax_sparse_adam._optax.leaf import sparse_adam_leaf_step as sparse_adam_leaf_step
 from optax_sparse_adam._optax.multi_steps import RowBuffer as RowBuffer
 from optax_sparse_adam._optax.multi_steps import SparseMultiStepsState as SparseMultiStepsState
@@ -54,6 +58,7 @@ from optax_sparse_adam._optax.multi_steps import sparse_multi_steps as sparse_mu
 from optax_sparse_adam._optax.optimizers import sparse_adagrad as sparse_adagrad
 from optax_sparse_adam._optax.optimizers import sparse_rowwise_adagrad as sparse_rowwise_adagrad
 from optax_sparse_adam._optax.optimizers import sparse_sgd as sparse_sgd
+from optax_sparse_adam._optax.reset import reset_rows as reset_rows
 from optax_sparse_adam._optax.rule_transform import SparseRuleState as SparseRuleState
 from optax_sparse_adam._optax.rule_transform import (
   sparse_rule_transformation as sparse_rule_transformation,
@@ -77,6 +82,7 @@ __all__ = (
   "RowBlock",
   "RowBuffer",
   "RowRule",
+  "RowsDelta",
   "RowwiseAdagradHyperparams",
   "RowwiseAdagradRule",
   "SGDHyperparams",
@@ -86,15 +92,19 @@ __all__ = (
   "SparseMultiStepsState",
   "SparseRuleState",
   "advise_huge_pages",
+  "apply_rows_delta",
   "apply_updates",
   "catch_up_all_rows",
   "catch_up_rows",
+  "changed_rows",
   "check_sparse_grads",
   "coalesce_rows",
   "from_cyclic_rows",
   "cpu_kernels_available",
   "lift_to_bcoo",
+  "reset_rows",
   "routing_stats",
+  "rows_delta",
   "sharded_lookup",
   "sharded_routing",
   "sparse_adagrad",
