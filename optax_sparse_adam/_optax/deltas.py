@@ -53,21 +53,34 @@ def _tracked_last_steps(state: Any, what: str) -> Any:
   return last
 
 
-def _since_per_param(since: Any, param_steps: jax.Array, what: str) -> np.ndarray:
-  """`since` as one int64 per parameter, checked against the steps taken so far."""
-  steps = np.asarray(param_steps).astype(np.int64)
+def _since_per_param(since: Any, state: Any, what: str) -> np.ndarray:
+  """`since` as one int64 per parameter, checked against the steps taken so far.
+
+  An int is every table's, at most the update count (`state.count`); an array
+  holds one step per parameter, each at most that parameter's step count.
+  """
+  steps = np.asarray(state.param_steps).astype(np.int64)
   given = np.asarray(since)
   if given.dtype.kind not in "iu" or given.ndim > 1:
     raise TypeError(
       f"{what}: since must be an int or int array of shape ({steps.size},) (a previous "
       f"delta's steps, or state.param_steps), got {describe(since)}."
     )
-  if given.ndim == 1 and given.shape != steps.shape:
+  if given.ndim == 0:
+    count = int(np.asarray(getattr(state, "count", steps.max(initial=0))))
+    if not 0 <= int(given) <= count:
+      raise ValueError(
+        f"{what}: since={int(given)} is "
+        f"{'negative' if given < 0 else 'in the future'}: the optimizer has taken {count} "
+        f"updates; since must be in [0, {count}] (0: every row written since init)."
+      )
+    return np.full(steps.shape, int(given), np.int64)
+  if given.shape != steps.shape:
     raise ValueError(
       f"{what}: since has shape {given.shape} but the state holds {steps.size} parameters: "
       f"pass one int, or one per parameter ({steps.size},)."
     )
-  given = np.broadcast_to(given.astype(np.int64), steps.shape)
+  given = given.astype(np.int64)
   bad = np.flatnonzero((given < 0) | (given > steps))
   if bad.size:
     i = int(bad[0])
@@ -100,7 +113,7 @@ def _changed(state: Any, since: Any, what: str) -> tuple[Any, list[Any], list[in
   refuse_cyclic(what)
   last_tree = _tracked_last_steps(state, what)
   leaves, treedef = jax.tree.flatten(last_tree)
-  per_param = _since_per_param(since, state.param_steps, what)
+  per_param = _since_per_param(since, state, what)
   if len(leaves) != per_param.size:
     raise ValueError(
       f"{what}: the state's row_last_step holds {len(leaves)} tables but param_steps "

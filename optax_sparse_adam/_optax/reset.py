@@ -31,7 +31,7 @@ def _by_path(tree: Any, paths: list[Any], what: str, name: str) -> list[Any]:
     if key not in known:
       raise ValueError(
         f"{what}: {name} names a table at {path_str(path)}, which the params do not have; "
-        f"their tables are {[path_str(p) for p in paths]}."
+        f"their tables are {', '.join(path_str(p) for p in paths)}."
       )
     out[known[key]] = value
   return out
