@@ -28,7 +28,7 @@ class RowsDelta(NamedTuple):
   """The rows that changed since a step, with their values: what a serving copy needs.
 
   Attributes:
-    steps: int32 `(num_params,)`, every parameter's step count when the delta was
+    steps: int32 NumPy `(num_params,)`, every parameter's step count when the delta was
       taken (`state.param_steps`): the `since` of the next delta.
     ids: per table, int32 `(n,)`, the changed rows' ids, ascending, then padding
       (the table's row count) up to `n`, a power of two.
@@ -130,7 +130,8 @@ def _changed(state: Any, since: Any, what: str) -> tuple[Any, list[Any], list[in
     count = int(on_device(_count_changed, last, s))
     counts.append(count)
     all_ids.append(on_device(_changed_ids, last, s, size=_padded_size(count)))
-  return treedef, all_ids, counts, state.param_steps
+  # A host copy: the state's own array is donated by the next jitted step.
+  return treedef, all_ids, counts, np.array(state.param_steps, np.int32)
 
 
 def changed_rows(state: optax.OptState, since: Any) -> Any:
