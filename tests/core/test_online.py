@@ -324,3 +324,33 @@ def test_a_state_of_another_flag_is_refused():
     opt.update(grads, untracked.init(params), params)
   with pytest.raises(TypeError, match="track_changed_rows must be True or False"):
     osa.sparse_sgd(0.1, track_changed_rows=1)
+
+
+@pytest.mark.parametrize("name", ["adam", "adamw_catch_up", "adagrad"])
+def test_every_path_tracks_the_same_rows(name):
+  """The CPU kernels, the accelerator step (forced here on the CPU) and the XLA ops."""
+  from optax_sparse_adam._backends import choice
+
+  opt = FACTORIES[name](track_changed_rows=True)
+
+  def step(params, state, ids, rows):
+    updates, state = opt.update({"user": bcoo(ids, rows), "item": None}, state, params)
+    return osa.apply_updates(params, updates), state
+
+  runs = []
+  for forced in (None, choice.ACCELERATOR, choice.GENERIC_XLA):
+    with choice.choose(forced=forced):
+      jitted = jax.jit(step)
+      params = fresh_params()
+      state = opt.init(params)
+      for ids, rows in batches(3):
+        params, state = jitted(params, state, ids, rows)
+    runs.append((params, state))
+  (p0, s0), *others = runs
+  for p, s in others:
+    np.testing.assert_array_equal(
+      np.asarray(s.row_last_step["user"]), np.asarray(s0.row_last_step["user"])
+    )
+    np.testing.assert_allclose(np.asarray(p["user"]), np.asarray(p0["user"]), rtol=1e-6)
+  touched = np.unique(np.concatenate([ids for ids, _ in batches(3)]))
+  assert osa.changed_rows(s0, 0)["user"].tolist() == touched.tolist()
