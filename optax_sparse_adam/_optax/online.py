@@ -51,11 +51,24 @@ def last_step_leaves(
   wanted = catch_up_kept or tracked
   have = getattr(state, "row_last_step", None) is not None
   if wanted != have:
+    if wanted:
+      made = " and ".join(
+        flag
+        for flag, on in (
+          ("catch_up_idle_rows=True", catch_up_kept),
+          ("track_changed_rows=True", tracked),
+        )
+        if on
+      )
+      why = f"the transformation was made with {made}, which keeps one"
+    else:
+      why = (
+        "the transformation was made with catch_up_idle_rows=False (or a rule whose idle "
+        "rows do not move) and track_changed_rows=False, which keep none"
+      )
     raise ValueError(
-      f"{name}: the optimizer state {'lacks' if wanted else 'has'} row_last_step, but the "
-      f"transformation was made with track_changed_rows={tracked} (and catch-up "
-      f"{'keeping' if catch_up_kept else 'not keeping'} last steps): pass the state that this "
-      "transformation's init made."
+      f"{name}: the optimizer state {'lacks' if wanted else 'has'} row_last_step, but "
+      f"{why}: pass the state that this transformation's init made."
     )
   return catch_up.last_step_leaves(treedef, paths, state, wanted)
 
