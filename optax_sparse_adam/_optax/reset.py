@@ -146,6 +146,8 @@ def reset_rows(
       continue
     num_rows = jnp.shape(param)[0] if jnp.ndim(param) else 0
     rows = jnp.asarray(rows)
+    if rows.size == 0:
+      rows = rows.astype(jnp.int32)  # [] is float to NumPy
     if not jnp.issubdtype(rows.dtype, jnp.integer):
       raise TypeError(f"{where}: ids must be integers, got {describe(rows)}.")
     rows = rows.reshape(-1)

@@ -51,6 +51,8 @@ def reset_param_rows(
   data = param.data
   num_rows = data.shape[0] if data.ndim else 0
   rows = np.asarray(_convert.to_numpy(ids) if _convert.is_array(ids) else ids)
+  if rows.size == 0:
+    rows = rows.astype(np.int32)  # [] is float to NumPy
   if rows.dtype.kind not in "iu":
     raise TypeError(f"{name}.reset_rows: ids must be integers, got {describe(ids)}.")
   rows = rows.reshape(-1)

@@ -147,8 +147,10 @@ class RuleOptimizer(Optimizer):
       ValueError: `param` is not this optimizer's, an id is out of range, or
         `values` has the wrong shape; nothing changes.
     """
-    group = self._group_of(param) if self._holds(param) else {}
-    fills = {key: self.TABLE.slot_init(group, slot) for key, slot in self.TABLE.slots.items()}
+    fills = {}
+    if self._holds(param):  # else refused below, naming the parameter
+      group = self._group_of(param)
+      fills = {key: self.TABLE.slot_init(group, slot) for key, slot in self.TABLE.slots.items()}
     _reset.reset_param_rows(self, param, ids, values, fills)
 
   def _holds(self, param: Parameter) -> bool:

@@ -285,6 +285,7 @@ def test_bad_ids_and_tables_are_refused_and_change_nothing():
   with pytest.raises(ValueError, match="needs the transformation returned by"):
     osa.reset_rows(optax.sgd(0.1), params, state, {"user": jnp.array([1])})
   unchanged(copy, (params, state))
+  unchanged(copy, osa.reset_rows(opt, params, state, {"user": []}))  # no rows: no change
 
 
 def test_bad_since_and_serving_copies_are_refused():

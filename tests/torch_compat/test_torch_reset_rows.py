@@ -66,10 +66,11 @@ def test_reset_rows_matches_torch_reset_by_hand(name, options, fresh):
   assert our_opt.state[ours]["step"] == len(BATCHES)  # the parameter's count is kept
 
 
-def test_reset_rows_refuses_bad_input_and_changes_nothing():
+@pytest.mark.parametrize("name", ["SGD", "Adagrad", "SparseAdam"])
+def test_reset_rows_refuses_bad_input_and_changes_nothing(name):
   ours = tc.Parameter(jnp.asarray(TABLE0.copy()))
   other = tc.Parameter(jnp.asarray(TABLE0.copy()))
-  opt = tc.SGD([ours], lr=0.1)
+  opt = getattr(tc, name)([ours], lr=0.1)
   ids, vals = BATCHES[0]
   ours.grad = sparse.BCOO((jnp.asarray(vals), jnp.asarray(ids[:, None])), shape=(ROWS, DIM))
   opt.step()
@@ -81,5 +82,9 @@ def test_reset_rows_refuses_bad_input_and_changes_nothing():
   with pytest.raises(ValueError, match="not in this optimizer's param groups"):
     opt.reset_rows(other, [3])
   np.testing.assert_array_equal(np.asarray(ours.data), before)
+  state = {key: np.asarray(v) for key, v in opt.state.get(ours, {}).items() if key != "step"}
+  opt.reset_rows(ours, [])  # no rows: nothing changes
+  for key, value in state.items():
+    np.testing.assert_array_equal(np.asarray(opt.state[ours][key]), value)
   opt.reset_rows(ours, [3], values=np.ones((1, DIM), np.float32))
   np.testing.assert_array_equal(np.asarray(ours.data)[3], np.ones(DIM, np.float32))
