@@ -8,7 +8,9 @@ range), and the ratio of the fastest rounds. Then the time of `rows_delta` after
 `--publish-every` steps, against one step.
 
 `--digest` prints instead a hash of each default (untracked) step's lowered
-program: run it on two checkouts to show that the default step did not change.
+program: run it on two checkouts to show that the default step did not change;
+and of the catch-up step with tracking, which keeps the array catch-up keeps
+(the same program as without).
 
 Run from the repository root:
 
@@ -38,15 +40,20 @@ FACTORIES = {
 }
 
 
+TRACKED = {"track_changed_rows": True}
+
+
 def _digests(v: int, d: int, b: int) -> None:
   grads = {"table": sparse.BCOO((jnp.ones((b, d)), jnp.zeros((b, 1), jnp.int32)), shape=(v, d))}
   params = {"table": jnp.zeros((v, d))}
-  for name, factory in FACTORIES.items():
-    opt = factory()
+  tracked = [(name, {}) for name in FACTORIES] + [("sparse_adamw, catch-up", TRACKED)]
+  for name, kwargs in tracked:
+    opt = FACTORIES[name](**kwargs)
     lowered = jax.jit(c.sparse_step(opt), donate_argnums=(0, 1)).lower(
       params, opt.init(params), grads
     )
     text = lowered.as_text()
+    name += ", tracked" if kwargs else ""
     print(f"{name}: {hashlib.sha256(text.encode()).hexdigest()[:16]} ({len(text)} chars)")
 
 
