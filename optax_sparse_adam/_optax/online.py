@@ -132,5 +132,7 @@ def flatten_like(treedef: Any, tree: Any, what: str, name: str) -> list[Any]:
   except (ValueError, TypeError) as err:
     raise ValueError(
       f"{what}: {name} must have the structure of the state's tables ({treedef}), got "
-      f"{jax.tree.structure(tree)}."
+      f"{jax.tree.structure(tree)}. Inside optax.multi_transform or optax.masked, pass "
+      "the params masked as the state is (optax.MaskedNode() where the transformation "
+      "does not apply)."
     ) from err

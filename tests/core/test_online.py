@@ -355,3 +355,25 @@ def test_every_path_tracks_the_same_rows(name):
     np.testing.assert_allclose(np.asarray(p["user"]), np.asarray(p0["user"]), rtol=1e-6)
   touched = np.unique(np.concatenate([ids for ids, _ in batches(3)]))
   assert osa.changed_rows(s0, 0)["user"].tolist() == touched.tolist()
+
+
+def test_inside_multi_transform_with_masked_params():
+  params = {"emb": jnp.zeros((6, D)), "w": jnp.ones(3)}
+  sparse_opt = osa.sparse_adam(0.1, track_changed_rows=True)
+  opt = optax.multi_transform(
+    {"sparse": sparse_opt, "dense": optax.adam(0.1)}, {"emb": "sparse", "w": "dense"}
+  )
+  state = opt.init(params)
+  grads = {"emb": bcoo(np.array([4, 1]), np.ones((2, D), np.float32), 6), "w": jnp.ones(3)}
+  updates, state = opt.update(grads, state, params)
+  params = osa.apply_updates(params, updates)
+  inner = state.inner_states["sparse"].inner_state
+  with pytest.raises(ValueError, match="optax.MaskedNode"):
+    osa.rows_delta(params, inner, 0)
+  masked = {"emb": params["emb"], "w": optax.MaskedNode()}
+  delta = osa.rows_delta(masked, inner, 0)
+  assert delta.ids["emb"].tolist() == [1, 4]
+  serving = osa.apply_rows_delta({"emb": jnp.zeros((6, D)), "w": optax.MaskedNode()}, delta)
+  np.testing.assert_array_equal(bits(serving["emb"]), bits(params["emb"]))
+  _, reset = osa.reset_rows(sparse_opt, masked, inner, {"emb": jnp.array([4])})
+  assert not np.asarray(reset.mu["emb"][4]).any() and np.asarray(reset.mu["emb"][1]).any()
