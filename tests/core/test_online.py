@@ -377,3 +377,12 @@ def test_inside_multi_transform_with_masked_params():
   np.testing.assert_array_equal(bits(serving["emb"]), bits(params["emb"]))
   _, reset = osa.reset_rows(sparse_opt, masked, inner, {"emb": jnp.array([4])})
   assert not np.asarray(reset.mu["emb"][4]).any() and np.asarray(reset.mu["emb"][1]).any()
+
+
+def test_cyclic_tables_are_refused():
+  opt, params, state = trained()
+  with osa.sharded_routing(row_placement="cyclic"):
+    with pytest.raises(ValueError, match="row_placement='cyclic'"):
+      osa.changed_rows(state, 0)
+    with pytest.raises(ValueError, match="row_placement='cyclic'"):
+      osa.reset_rows(opt, params, state, {"user": jnp.array([1])})
