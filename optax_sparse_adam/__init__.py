@@ -50,6 +50,10 @@ from optax_sparse_adam._optax.checks import sparse_grad_checks as sparse_grad_ch
 from optax_sparse_adam._optax.composition import lift_to_bcoo as lift_to_bcoo
 from optax_sparse_adam._optax.composition import on_dense_shapes as on_dense_shapes
 from optax_sparse_adam._optax.composition import sparse_apply_if_finite as sparse_apply_if_finite
+from optax_sparse_adam._optax.deltas import RowsDelta as RowsDelta
+from optax_sparse_adam._optax.deltas import apply_rows_delta as apply_rows_delta
+from optax_sparse_adam._optax.deltas import changed_rows as changed_rows
+from optax_sparse_adam._optax.deltas import rows_delta as rows_delta
 from optax_sparse_adam._optax.leaf import sparse_adam_leaf_step as sparse_adam_leaf_step
 from optax_sparse_adam._optax.multi_steps import RowBuffer as RowBuffer
 from optax_sparse_adam._optax.multi_steps import SparseMultiStepsState as SparseMultiStepsState
@@ -60,6 +64,7 @@ from optax_sparse_adam._optax.optimizers import sparse_sgd as sparse_sgd
 from optax_sparse_adam._optax.param_ema import ParamEMAState as ParamEMAState
 from optax_sparse_adam._optax.param_ema import ema_params as ema_params
 from optax_sparse_adam._optax.param_ema import sparse_param_ema as sparse_param_ema
+from optax_sparse_adam._optax.reset import reset_rows as reset_rows
 from optax_sparse_adam._optax.rule_transform import SparseRuleState as SparseRuleState
 from optax_sparse_adam._optax.rule_transform import (
   sparse_rule_transformation as sparse_rule_transformation,
@@ -86,6 +91,7 @@ __all__ = (
   "RowBuffer",
   "RowRule",
   "RowUpdate",
+  "RowsDelta",
   "RowwiseAdagradHyperparams",
   "RowwiseAdagradRule",
   "SGDHyperparams",
@@ -95,9 +101,11 @@ __all__ = (
   "SparseMultiStepsState",
   "SparseRuleState",
   "advise_huge_pages",
+  "apply_rows_delta",
   "apply_updates",
   "catch_up_all_rows",
   "catch_up_rows",
+  "changed_rows",
   "check_sparse_grads",
   "coalesce_rows",
   "ema_params",
@@ -105,7 +113,9 @@ __all__ = (
   "cpu_kernels_available",
   "lift_to_bcoo",
   "on_dense_shapes",
+  "reset_rows",
   "routing_stats",
+  "rows_delta",
   "sharded_lookup",
   "sharded_routing",
   "sparse_adagrad",

@@ -15,6 +15,8 @@ MODULES = [
   "optax_sparse_adam._optax.param_ema",
   "optax_sparse_adam._optax.multi_steps",
   "optax_sparse_adam._optax.checks",
+  "optax_sparse_adam._optax.deltas",
+  "optax_sparse_adam._optax.reset",
   "optax_sparse_adam._backends.cpu.kernels",
   "optax_sparse_adam._backends.cpu.huge_pages",
   "optax_sparse_adam.flax._nnx",

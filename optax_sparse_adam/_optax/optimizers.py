@@ -55,6 +55,7 @@ def sparse_sgd(
   maximize: bool = False,
   lazy_momentum: bool = False,
   catch_up_idle_rows: bool = False,
+  track_changed_rows: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
   r"""`torch.optim.SGD` for BCOO gradients: the touched rows move, nothing else.
 
@@ -92,6 +93,9 @@ def sparse_sgd(
       charged to a row's idle steps, exact where the rate is constant over them).
       Without momentum (a Python 0) it changes nothing: an idle row does not move
       under dense SGD either (lazy is dense).
+    track_changed_rows: keep each row's last written step (one int32 per row,
+      `row_last_step`), for `changed_rows`, `rows_delta` and `reset_rows`
+      (docs/online.md).
 
   Returns:
     An `optax.GradientTransformationExtraArgs` whose state is a `SparseRuleState`
@@ -133,6 +137,7 @@ def sparse_sgd(
     SGDHyperparams(learning_rate, momentum, dampening, None),
     maximize=maximize,
     catch_up_idle_rows=catch_up_idle_rows,
+    track_changed_rows=track_changed_rows,
     name="sparse_sgd",
   )
 
@@ -146,6 +151,7 @@ def sparse_adagrad(
   *,
   maximize: bool = False,
   catch_up_idle_rows: bool = False,
+  track_changed_rows: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
   r"""`torch.optim.Adagrad` for BCOO gradients: lazy, as torch is on sparse gradients.
 
@@ -169,6 +175,9 @@ def sparse_adagrad(
     catch_up_idle_rows: accepted, and changes nothing: under dense Adagrad an idle
       row's gradient is zero, so neither its accumulator nor the row moves (lazy is
       dense).
+    track_changed_rows: keep each row's last written step (one int32 per row,
+      `row_last_step`), for `changed_rows`, `rows_delta` and `reset_rows`
+      (docs/online.md).
 
   Returns:
     An `optax.GradientTransformationExtraArgs` whose state is a `SparseRuleState`
@@ -208,6 +217,7 @@ def sparse_adagrad(
     AdagradHyperparams(learning_rate, lr_decay, eps, None),
     maximize=maximize,
     catch_up_idle_rows=catch_up_idle_rows,  # lazy Adagrad is dense Adagrad: no state
+    track_changed_rows=track_changed_rows,
     name="sparse_adagrad",
   )
 
@@ -221,6 +231,7 @@ def sparse_rowwise_adagrad(
   max_norm: float | None = None,
   maximize: bool = False,
   catch_up_idle_rows: bool = False,
+  track_changed_rows: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
   r"""FBGEMM's EXACT_ROWWISE_ADAGRAD for BCOO gradients: one accumulator per row.
 
@@ -247,6 +258,9 @@ def sparse_rowwise_adagrad(
       row neither moves nor adds to its accumulator under the dense optimizer);
       refused with weight decay, which moves idle rows (no closed form here). Not
       with `max_norm`.
+    track_changed_rows: keep each row's last written step (one int32 per row,
+      `row_last_step`), for `changed_rows`, `rows_delta` and `reset_rows`
+      (docs/online.md).
 
   Returns:
     An `optax.GradientTransformationExtraArgs` whose state is a `SparseRuleState`
@@ -281,5 +295,6 @@ def sparse_rowwise_adagrad(
     weight_decay_mode=weight_decay_mode,
     max_norm=max_norm,
     catch_up_idle_rows=catch_up_idle_rows,  # the rule refuses it under weight decay
+    track_changed_rows=track_changed_rows,
     name="sparse_rowwise_adagrad",
   )

@@ -26,7 +26,7 @@ from optax_sparse_adam._core import bcoo, rounding, rules
 from optax_sparse_adam._core.errors import describe, flatten_grads, leaves_up_to, path_str
 from optax_sparse_adam._core.hyperparams import moment_dtype
 from optax_sparse_adam._core.sharded import sharding
-from optax_sparse_adam._optax import catch_up, leaf
+from optax_sparse_adam._optax import catch_up, leaf, online
 from optax_sparse_adam._optax.state import check_param_steps
 
 
@@ -44,7 +44,8 @@ class SparseRuleState(NamedTuple):
       else None.
     row_last_step: per parameter, int32 `(num_rows,)`, the step up to which each
       row is caught up with `catch_up_idle_rows=True` (where the rule's idle
-      rows move), else None.
+      rows move), which is the step that last wrote it, as kept with
+      `track_changed_rows=True`; else None.
   """
 
   count: jax.Array  # type: ignore[assignment]
@@ -182,6 +183,7 @@ def sparse_rule_transformation(
   moment_rounding: rounding.MomentRounding = "nearest",
   max_norm: float | None = None,
   catch_up_idle_rows: bool = False,
+  track_changed_rows: bool = False,
   name: str = "sparse_rule_transformation",
 ) -> optax.GradientTransformationExtraArgs:
   r"""The optax transformation of a row rule, for BCOO gradients: masked, row by row.
@@ -221,6 +223,9 @@ def sparse_rule_transformation(
       `catch_up_all_rows` do it on demand). Kept in one int32 per row where the
       rule's idle rows move; nothing where they do not (lazy is dense); refused,
       with the rule's reason, where it has no closed form.
+    track_changed_rows: keep each row's last written step (`row_last_step`,
+      one int32 per row, shared with catch-up), for `changed_rows`,
+      `rows_delta` and `reset_rows` (docs/online.md).
     name: the factory's name in error messages.
 
   Returns:
@@ -277,6 +282,7 @@ def sparse_rule_transformation(
   if catch_up_idle_rows:
     catch_up.refuse_unless_closed_form(name, rule, closed_form)
   keeps_last_steps = catch_up_idle_rows and closed_form.rows is not None
+  tracked = online.check_flag(track_changed_rows, name)
 
   def hyper_at(count: jax.Array) -> Any:
     # Schedules are functions of the update count, as in optax; with catch-up, a rule
@@ -295,7 +301,11 @@ def sparse_rule_transformation(
       rounding.check_slot_dtypes(moment_rounding, dtypes, param.dtype, path)
       tables.append(
         rules.init_tables(
-          rule, param, dtypes=dtypes, per_row_steps=per_row_steps, last_steps=keeps_last_steps
+          rule,
+          param,
+          dtypes=dtypes,
+          per_row_steps=per_row_steps,
+          last_steps=keeps_last_steps or tracked,
         )
       )
     replicated = sharding.replicated_like(*(leaf for _, leaf in leaves_with_path))
@@ -313,7 +323,7 @@ def sparse_rule_transformation(
       if per_row_steps
       else None,
       row_last_step=jax.tree_util.tree_unflatten(treedef, [t.last_step for t in tables])
-      if keeps_last_steps
+      if keeps_last_steps or tracked
       else None,
     )
 
@@ -344,7 +354,12 @@ def sparse_rule_transformation(
       for slot_name, tree in state.slots.items()
     }
     row_steps = leaves_up_to(treedef, state.row_step, "optimizer state", paths)
-    last_steps = catch_up.last_step_leaves(treedef, paths, state, keeps_last_steps)
+    kept_last_steps = online.last_step_leaves(
+      treedef, paths, state, catch_up_kept=keeps_last_steps, tracked=tracked, name=name
+    )
+    # The backend catches rows up where it is given their last steps; tracking alone
+    # marks the stepped rows after the step (online.new_last_steps).
+    last_steps = kept_last_steps if keeps_last_steps else [None] * len(paths)
     param_leaves = leaves_up_to(treedef, params, "params", paths)
     full_width = [slot.name for slot in rule.slots() if not slot.per_row]
     shapes = [
@@ -358,7 +373,7 @@ def sparse_rule_transformation(
       rules.Tables({n: slot_leaves[n][i] for n in slot_names}, row_steps[i], param, last_steps[i])
       for i, param in enumerate(param_leaves)
     ]
-    new_updates, new_tables, _ = step_leaves(
+    new_updates, new_tables, new_steps = step_leaves(
       grads_with_path,
       tables,
       [state.param_steps[i] for i in range(len(paths))],
@@ -377,7 +392,18 @@ def sparse_rule_transformation(
         None if state.row_step is None else treedef.unflatten([t.row_step for t in new_tables])
       ),
       row_last_step=(
-        None if not keeps_last_steps else treedef.unflatten([t.last_step for t in new_tables])
+        None
+        if not (keeps_last_steps or tracked)
+        else treedef.unflatten(
+          online.new_last_steps(
+            grads_with_path,
+            kept_last_steps,
+            [t.last_step for t in new_tables],
+            new_updates,
+            new_steps,
+            marks=not keeps_last_steps,
+          )
+        )
       ),
     )
     return treedef.unflatten(new_updates), new_state

@@ -20,7 +20,7 @@ from optax_sparse_adam._core.row_rules import adam
 from optax_sparse_adam._core.row_rules.adam import AdamRule
 from optax_sparse_adam._core.row_rules.rowwise_adam import RowwiseAdamRule
 from optax_sparse_adam._core.sharded import sharding
-from optax_sparse_adam._optax import catch_up, leaf
+from optax_sparse_adam._optax import catch_up, leaf, online
 from optax_sparse_adam._optax.rule_transform import (
   advance_param_steps,
   check_grad_leaves,
@@ -52,6 +52,7 @@ class AdamFlags(TypedDict, total=False):
   moment_rounding: MomentRounding
   catch_up_idle_rows: bool
   max_norm: float | None
+  track_changed_rows: bool
 
 
 class SparseAdamOptions(NamedTuple):
@@ -72,6 +73,7 @@ class SparseAdamOptions(NamedTuple):
   moment_rounding: MomentRounding = "nearest"
   catch_up_idle_rows: bool = False
   max_norm: float | None = None
+  track_changed_rows: bool = False
 
   @property
   def rule(self) -> AdamRule | RowwiseAdamRule:
@@ -94,7 +96,7 @@ def _init_state(params: optax.Params, options: SparseAdamOptions) -> SparseAdamS
       param,
       dtypes=dtypes,
       per_row_steps=options.per_row_bias_correction,
-      last_steps=options.catch_up_idle_rows,
+      last_steps=options.catch_up_idle_rows or options.track_changed_rows,
     )
     step = jnp.zeros([], jnp.int32, device=sharding.replicated_like(param))
     states.append(leaf_state_of(step, tables))
@@ -116,7 +118,9 @@ def _init_state(params: optax.Params, options: SparseAdamOptions) -> SparseAdamS
     nu_max=field("nu_max", options.amsgrad),
     row_step=field("row_step", options.per_row_bias_correction),
     row_last_step=(
-      jax.tree_util.tree_unflatten(treedef, last_steps) if options.catch_up_idle_rows else None
+      jax.tree_util.tree_unflatten(treedef, last_steps)
+      if options.catch_up_idle_rows or options.track_changed_rows
+      else None
     ),
   )
 
@@ -145,6 +149,8 @@ def _scale_by_sparse_adam(options: SparseAdamOptions) -> optax.GradientTransform
     max_norm=check_max_norm(options.max_norm, options.catch_up_idle_rows),
   )
   catch_up.check_options(options, config)
+  name = "sparse_adamw" if options.decoupled_weight_decay else "sparse_adam"
+  online.check_flag(options.track_changed_rows, name)
 
   def init_fn(params: optax.Params) -> SparseAdamState:
     return _init_state(params, options)
@@ -163,7 +169,17 @@ def _scale_by_sparse_adam(options: SparseAdamOptions) -> optax.GradientTransform
     param_leaves = leaves_up_to(treedef, params, "params", paths)
     shapes = [None if s.mu is None else tuple(s.mu.shape) for s in states]
     check_grad_leaves(grads_with_path, shapes, param_leaves)
-    last_steps = catch_up.last_step_leaves(treedef, paths, state, options.catch_up_idle_rows)
+    kept_last_steps = online.last_step_leaves(
+      treedef,
+      paths,
+      state,
+      catch_up_kept=options.catch_up_idle_rows,
+      tracked=options.track_changed_rows,
+      name=name,
+    )
+    # The backend catches rows up where it is given their last steps; tracking alone
+    # marks the stepped rows after the step (online.new_last_steps).
+    last_steps = kept_last_steps if options.catch_up_idle_rows else [None] * len(paths)
 
     lr = learning_rate(state.count) if callable(learning_rate) else learning_rate
     # A zero the compiler cannot see through: the math rounds each product before
@@ -197,7 +213,14 @@ def _scale_by_sparse_adam(options: SparseAdamOptions) -> optax.GradientTransform
         grads_with_path, states, new_steps, new_tables, strict=True
       )
     ]
-    new_last_steps = [t.last_step for t in new_tables]
+    new_last_steps = online.new_last_steps(
+      grads_with_path,
+      kept_last_steps,
+      [t.last_step for t in new_tables],
+      new_updates,
+      new_steps,
+      marks=not options.catch_up_idle_rows,
+    )
 
     def field(name: str, old: Any) -> Any:
       if old is None:
@@ -238,6 +261,7 @@ def sparse_adam(
   moment_rounding: MomentRounding = "nearest",
   catch_up_idle_rows: bool = False,
   max_norm: float | None = None,
+  track_changed_rows: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
   r"""Masked Adam for BCOO gradients, with the numerics of `torch.optim.SparseAdam`.
 
@@ -307,6 +331,9 @@ def sparse_adam(
       back to it (FBGEMM's per-row `max_norm`, here for Adam and the row-wise
       Adam); None (the default): off. Needs `params` in `update`; not with
       `catch_up_idle_rows`. Runs the XLA ops on the CPU (no fused kernel).
+    track_changed_rows: keep each row's last written step (`row_last_step`,
+      one int32 per row, shared with `catch_up_idle_rows`), for `changed_rows`,
+      `rows_delta` and `reset_rows` (docs/online.md).
 
   Returns:
     An `optax.GradientTransformationExtraArgs` whose state is a `SparseAdamState`;
