@@ -32,6 +32,7 @@ def run_example(*args):
   )
   assert done.returncode == 0, done.stderr[-4000:]
   report = json.loads(done.stdout.strip().splitlines()[-1])
+  run_example.compiles = report["compiles"]
   return np.array(report["jax"]), np.array(report["torch"]), report["table_difference"]
 
 
@@ -47,3 +48,22 @@ def test_float32_curves_agree_to_rounding_over_the_first_steps():
   jax_losses, torch_losses, table_difference = run_example("--steps", "3", "--dtype", "float32")
   np.testing.assert_allclose(jax_losses, torch_losses, rtol=1e-5)
   assert table_difference < 1e-5
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", pytest.param("adagrad", marks=pytest.mark.slow)])
+def test_one_optimizer_for_every_parameter_on_ragged_bags_is_torchs(optimizer):
+  """DLRM's recipe: one torch.optim.SGD (or Adagrad) over tables and MLPs, ragged bags."""
+  args = ("--steps", "6", "--ragged", "--optimizer", optimizer, "--lr", "0.1")
+  jax_losses, torch_losses, table_difference = run_example(*args)
+  np.testing.assert_allclose(jax_losses, torch_losses, rtol=1e-12)
+  assert table_difference < 1e-12
+  # Ids padded to powers of two by osa.pad_ids: 16 bags of 1 to 8 ids give 32, 64 or 128.
+  assert run_example.compiles <= 3
+
+
+@pytest.mark.slow
+def test_sgd_in_float32_over_200_ragged_steps_stays_within_1e6_of_torch():
+  args = ("--steps", "200", "--ragged", "--optimizer", "sgd", "--lr", "0.1", "--dtype", "float32")
+  jax_losses, torch_losses, _ = run_example(*args)
+  assert np.max(np.abs(jax_losses - torch_losses) / np.abs(torch_losses)) < 1e-6
+  assert run_example.compiles <= 3
