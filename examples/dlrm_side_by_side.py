@@ -59,6 +59,7 @@ from flax import nnx
 from tqdm import tqdm
 
 import optax_sparse_adam as osa
+from optax_sparse_adam import torch_compat as tc
 
 
 def make_batches(args):
@@ -180,6 +181,35 @@ def jax_trainer(model, lr, name="adam"):
   return lambda dense, bags, clicks: step(model, optimizer, dense, bags, clicks), step
 
 
+def adapter_trainer(model, lr, name):
+  """The torch recipe unchanged: `torch_compat.SGD(params)` over the Flax model's parameters.
+
+  `tc.named_parameters` makes a `Parameter` of each of the model's arrays (named as torch
+  names them), `tc.set_grads` hands them the gradients (BCOO for the tables, dense for the
+  MLPs) and `tc.parameters_tree` puts the stepped arrays back into the model.
+  """
+  state = nnx.state(model, nnx.Param)
+  params = tc.named_parameters(state)
+  opt = {"sgd": tc.SGD, "adagrad": tc.Adagrad}[name](params.items(), lr=lr)
+
+  @nnx.jit
+  def loss_and_grads(model, dense, bags, clicks):
+    def loss_fn(model):
+      logits = model(dense, bags)
+      return optax.sigmoid_binary_cross_entropy(logits, clicks).mean()
+
+    return osa.sparse_value_and_grad(loss_fn)(model)
+
+  def step(dense, bags, clicks):
+    loss, grads = loss_and_grads(model, dense, bags, clicks)
+    tc.set_grads(params, grads)  # opt.zero_grad(); loss.backward()
+    opt.step()
+    nnx.update(model, tc.parameters_tree(state, params))
+    return loss
+
+  return step
+
+
 def torch_trainer(model, lr, name="adam"):
   if name == "adam":
     optimizers = [
@@ -215,12 +245,19 @@ def run(args, progress=True):
   torch_model = TorchDLRM(model, args)
   jax_step, compiled = jax_trainer(model, args.lr, args.optimizer)
   torch_step = torch_trainer(torch_model, args.lr, args.optimizer)
-  jax_losses, torch_losses = [], []
+  jax_losses, torch_losses, adapter_losses = [], [], []
+  if args.adapter:
+    if args.optimizer == "adam":
+      raise SystemExit("--adapter runs torch_compat.SGD or Adagrad: pass --optimizer sgd/adagrad")
+    adapter_model = DLRM(args, nnx.Rngs(args.seed))  # the same initial weights
+    adapter_step = adapter_trainer(adapter_model, args.lr, args.optimizer)
   bar = tqdm(batches, desc="DLRM, JAX and torch side by side", disable=not progress)
   for dense, bags, clicks in bar:
     # Ragged ids padded to a power of two: a handful of shapes, so a handful of compiles.
     jax_bags = [(jnp.asarray(osa.pad_ids(ids)), jnp.asarray(offsets)) for ids, offsets in bags]
     jax_losses.append(float(jax_step(jnp.asarray(dense), jax_bags, jnp.asarray(clicks))))
+    if args.adapter:
+      adapter_losses.append(float(adapter_step(jnp.asarray(dense), jax_bags, jnp.asarray(clicks))))
     torch_bags = [(torch.from_numpy(ids), torch.from_numpy(offsets)) for ids, offsets in bags]
     torch_losses.append(torch_step(torch.from_numpy(dense), torch_bags, torch.from_numpy(clicks)))
     bar.set_postfix(jax=f"{jax_losses[-1]:.4f}", torch=f"{torch_losses[-1]:.4f}")
@@ -230,6 +267,16 @@ def run(args, progress=True):
     float(np.max(np.abs(np.asarray(bag.embedding[...]) - torch_bag.weight.detach().numpy())))
     for bag, torch_bag in zip(model.bags, torch_model.bags, strict=True)
   )
+  if args.adapter:  # the adapter's port and the NNX port: the same bits
+    same = all(
+      np.array_equal(np.asarray(a), np.asarray(b))
+      for a, b in zip(
+        jax.tree.leaves(nnx.state(model, nnx.Param)),
+        jax.tree.leaves(nnx.state(adapter_model, nnx.Param)),
+        strict=True,
+      )
+    )
+    run.adapter = {"losses_equal": adapter_losses == jax_losses, "params_equal": same}
   return np.array(jax_losses), np.array(torch_losses), table_difference, compiles
 
 
@@ -247,6 +294,9 @@ def parse_args(argv=None):
   parser.add_argument("--dtype", choices=["float64", "float32"], default="float64")
   parser.add_argument("--optimizer", choices=["adam", "sgd", "adagrad"], default="adam")
   parser.add_argument("--ragged", action="store_true", help="bag sizes drawn: ragged id counts")
+  parser.add_argument(
+    "--adapter", action="store_true", help="also train with torch_compat.SGD/Adagrad"
+  )
   parser.add_argument("--json", action="store_true", help="print the curves as JSON only")
   return parser.parse_args(argv)
 
@@ -257,7 +307,8 @@ def main():
   jax_losses, torch_losses, table_difference, compiles = run(args, progress=not args.json)
   if args.json:
     curves = {"jax": jax_losses.tolist(), "torch": torch_losses.tolist()}
-    json.dump({**curves, "table_difference": table_difference, "compiles": compiles}, sys.stdout)
+    report = {**curves, "table_difference": table_difference, "compiles": compiles}
+    json.dump({**report, "adapter": getattr(run, "adapter", None)}, sys.stdout)
     return
   every = max(1, args.steps // 10)
   print(f"{'step':>6} {'jax loss':>12} {'torch loss':>12}   ({args.dtype})")
@@ -267,6 +318,8 @@ def main():
   print(f"max relative difference of the loss curves: {relative.max():.2e}")
   print(f"max |table difference| after {args.steps} steps: {table_difference:.2e}")
   print(f"the JAX step compiled {compiles} time(s)")
+  if args.adapter:
+    print(f"torch_compat.{args.optimizer} against the NNX port, bit for bit: {run.adapter}")
   print(f"both trained in {time.perf_counter() - start:.1f} s")
 
 
