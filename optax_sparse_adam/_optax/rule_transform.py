@@ -54,10 +54,13 @@ class SparseRuleState(NamedTuple):
   row_last_step: optax.Updates | None = None
 
 
-# Where a dense gradient goes instead, for the transformations that refuse them.
+# Where a dense gradient goes instead, for the transformations that refuse them: the
+# factory, and what the message says of it.
 _DENSE_TWIN = {
-  "sparse_rowwise_adagrad": "optax_sparse_adam.sparse_adagrad (torch.optim.Adagrad's "
-  "numbers, dense gradients included)",
+  "sparse_rowwise_adagrad": (
+    "optax_sparse_adam.sparse_adagrad",
+    " (torch.optim.Adagrad's numbers, dense gradients included)",
+  ),
 }
 
 
@@ -90,7 +93,7 @@ def check_grad_leaves(
   gradient only). Runs over every leaf before anything is computed, so a bad
   leaf fails the whole call and no state changes.
   """
-  twin = _DENSE_TWIN.get(what, "optax.adam")
+  twin, twin_note = _DENSE_TWIN.get(what, ("optax.adam", ""))
   for (path, grad), shape, param in zip(grads_with_path, shapes, params, strict=True):
     if grad is None:
       continue
@@ -113,8 +116,9 @@ def check_grad_leaves(
         "shape=table.shape). With Flax, optax_sparse_adam.sparse_value_and_grad does "
         "this for osa.SparseEmbed / SparseEmbedBag / LinenSparseEmbed / "
         "LinenSparseEmbedBag tables. If the parameter is not an embedding table, give it "
-        f"to {twin}, or route dense and sparse leaves apart with "
-        f"optax.multi_transform({{'sparse': {what}(...), 'dense': ...}}, labels). If it is "
+        f"to {twin}{twin_note}, or route dense and sparse leaves apart with "
+        f"optax.multi_transform({{'sparse': {what}(...), 'dense': {twin}(...)}}, labels). "
+        "If it is "
         "wrapped in optax.MultiSteps, which accumulates gradients densely, use "
         "optax_sparse_adam.sparse_multi_steps instead."
       )
