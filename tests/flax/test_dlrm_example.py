@@ -60,8 +60,9 @@ def test_one_optimizer_for_every_parameter_on_ragged_bags_is_torchs(optimizer):
   assert table_difference < 1e-12
   # torch_compat's optimizer over the Flax model (tc.named_parameters) and the NNX port.
   assert run_example.adapter == {"losses_equal": True, "params_equal": True}
-  # Ids padded to powers of two by osa.pad_ids: 16 bags of 1 to 8 ids give 32, 64 or 128.
-  assert run_example.compiles <= 3
+  # Ids padded to powers of two by osa.pad_ids: 16 bags of 1 to 8 ids hold 16 to 128 ids,
+  # at most four sizes (16, 32, 64, 128), whatever the number of steps.
+  assert run_example.compiles <= 4
 
 
 @pytest.mark.slow
@@ -70,4 +71,4 @@ def test_sgd_in_float32_over_200_ragged_steps_stays_within_1e6_of_torch():
   jax_losses, torch_losses, _ = run_example(*args, "--adapter")
   assert run_example.adapter == {"losses_equal": True, "params_equal": True}
   assert np.max(np.abs(jax_losses - torch_losses) / np.abs(torch_losses)) < 1e-6
-  assert run_example.compiles <= 3
+  assert run_example.compiles <= 4  # against 200 without padding
