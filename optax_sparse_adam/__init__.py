@@ -13,6 +13,9 @@ from optax_sparse_adam._backends.cpu.huge_pages import advise_huge_pages as advi
 from optax_sparse_adam._backends.cpu.kernels import available as cpu_kernels_available
 from optax_sparse_adam._backends.cpu.kernels import use_cpu_kernels as use_cpu_kernels
 from optax_sparse_adam._core.coalesce import coalesce_rows as coalesce_rows
+from optax_sparse_adam._core.ragged import RaggedIdsWarning as RaggedIdsWarning
+from optax_sparse_adam._core.ragged import bucket_size as bucket_size
+from optax_sparse_adam._core.ragged import pad_ids as pad_ids
 from optax_sparse_adam._core.row_rules.adagrad import AdagradHyperparams as AdagradHyperparams
 from optax_sparse_adam._core.row_rules.adagrad import AdagradRule as AdagradRule
 from optax_sparse_adam._core.row_rules.adam import AdamCoefficients as AdamCoefficients
@@ -85,6 +88,7 @@ __all__ = (
   "IdleBlock",
   "LeafState",
   "ParamEMAState",
+  "RaggedIdsWarning",
   "RoutingOverflowWarning",
   "RoutingStats",
   "RowBlock",
@@ -103,6 +107,7 @@ __all__ = (
   "advise_huge_pages",
   "apply_rows_delta",
   "apply_updates",
+  "bucket_size",
   "catch_up_all_rows",
   "catch_up_rows",
   "changed_rows",
@@ -114,6 +119,7 @@ __all__ = (
   "lift_to_bcoo",
   "on_dense_shapes",
   "reset_rows",
+  "pad_ids",
   "routing_stats",
   "rows_delta",
   "sharded_lookup",

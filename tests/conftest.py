@@ -44,3 +44,12 @@ def _torch_sparse_invariant_checks_on():
     return
   with check(enable=True):
     yield
+
+
+@pytest.fixture(autouse=True)
+def _fresh_ragged_id_counts():
+  """Each test starts with no traced id shapes counted (the recompile warning's counter)."""
+  from optax_sparse_adam._core import ragged
+
+  ragged.reset_traced_ids()
+  yield

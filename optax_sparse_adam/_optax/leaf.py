@@ -263,6 +263,89 @@ def masked_leaf_step(
   return LeafStep(update, new_step, new_tables)
 
 
+class DenseLeafStep(NamedTuple):
+  """What `dense_leaf_step` returns: the dense update, the new step count and tables."""
+
+  update: jax.Array
+  step: jax.Array | None
+  tables: Tables
+
+
+def dense_leaf_step(
+  grad: jax.Array,
+  tables: Tables,
+  step: jax.Array | None,
+  *,
+  rule: RowRule,
+  config: StepConfig,
+  hyper: Any,
+  path: tuple = (),
+  opaque_zero: jax.Array | None = None,
+) -> DenseLeafStep:
+  """One step of one parameter from its dense gradient: every element stepped.
+
+  The dense optimizer's step is the rule's row step on every row at once: the
+  gradient is read as a BCOO holding each row once, in order, and run through
+  `masked_leaf_step` (the same pipeline, backends and rounding as a sparse
+  step). For an elementwise rule (SGD, Adagrad) that is the dense optimizer's
+  formula. A 0-d parameter is stepped as one row of one value.
+
+  Args: as `masked_leaf_step`, with `grad` a dense array of the parameter's shape.
+
+  Returns:
+    The `DenseLeafStep`: the update a dense array of the parameter's shape.
+  """
+  grad = jnp.asarray(grad)
+  shape = tuple(grad.shape)
+  full_width = [tables.slots[slot.name] for slot in rule.slots() if not slot.per_row]
+  known = full_width[0] if full_width else tables.param
+  expected = shape if known is None else tuple(jnp.shape(known))
+  if expected != shape:
+    raise ValueError(
+      f"Dense gradient at {path_str(path)} has shape {shape} but its parameter (or its "
+      f"optimizer state) has shape {tuple(expected)}; they must be equal."
+    )
+  if not jnp.issubdtype(grad.dtype, jnp.floating):
+    raise TypeError(
+      f"Dense gradient at {path_str(path)} has dtype {grad.dtype}; expected a real floating dtype."
+    )
+  view = shape or (1,)
+
+  def as_view(x: jax.Array) -> jax.Array:
+    return x.reshape(view) if tuple(x.shape) == shape else x
+
+  rows = jnp.arange(view[0], dtype=jnp.int32)
+  every_row = sparse.BCOO(
+    (grad.reshape(view), rows[:, None]), shape=view, indices_sorted=True, unique_indices=True
+  )
+  view_tables = tables._replace(
+    slots={name: as_view(table) for name, table in tables.slots.items()},
+    param=None if tables.param is None else as_view(tables.param),
+  )
+  result = masked_leaf_step(
+    every_row,
+    view_tables,
+    step,
+    rule=rule,
+    config=config,
+    hyper=hyper,
+    path=path,
+    opaque_zero=opaque_zero,
+  )
+  # Each row once: set, not add, keeps the deltas' bits (a -0.0 included); padding dropped.
+  update_rows = bcoo.linear_rows(result.update.indices, bcoo.row_layout(result.update, view))
+  update = (
+    jnp.zeros(view, result.update.dtype)
+    .at[update_rows]
+    .set(result.update.data, mode="drop", unique_indices=True)
+    .reshape(shape)
+  )
+  new_slots = {
+    name: table.reshape(tables.slots[name].shape) for name, table in result.tables.slots.items()
+  }
+  return DenseLeafStep(update, result.step, result.tables._replace(slots=new_slots))
+
+
 def _param_shape(tables: Tables, rule: RowRule, grad: sparse.BCOO) -> tuple[int, ...]:
   """The parameter's shape: the rule's first full-width slot's, else the parameter's, else
   the gradient's (a rule with per-row slots only checks their rows in `_check_tables`)."""

@@ -20,18 +20,20 @@ from optax_sparse_adam._core.row_rules.rowwise_adagrad import (
   RowwiseAdagradRule,
 )
 from optax_sparse_adam._core.row_rules.sgd import SGDHyperparams, SGDRule
-from optax_sparse_adam._optax.rule_transform import sparse_rule_transformation
+from optax_sparse_adam._optax.rule_transform import DenseLeaves, sparse_rule_transformation
 
 ScalarOrSchedule = Any
 
 SGD_WEIGHT_DECAY = (
-  "weight_decay={wd!r}: torch.optim.SGD refuses weight decay with sparse gradients "
+  "weight_decay={wd!r} decays dense gradients only: torch.optim.SGD refuses weight decay "
+  "with sparse gradients "
   "('add(sparse, dense) is not supported. Use add(dense, sparse) instead.'): its decay "
   "would move every row of the table each step. For a decay of the touched rows only, use "
   "sparse_rowwise_adagrad(weight_decay_mode=...) or sparse_adamw."
 )
 SGD_MOMENTUM = (
-  "momentum={momentum!r}: torch.optim.SGD's momentum is not lazy on sparse gradients: its "
+  "momentum={momentum!r}: torch.optim.SGD's momentum is not lazy on sparse gradients (dense "
+  "gradients take it as they are): its "
   "buffer keeps every row it ever saw and moves all of them on every step. Pass "
   "catch_up_idle_rows=True for torch's numbers at sparse cost (an idle row takes those "
   "steps in closed form when it is next touched, or by catch_up_rows / catch_up_all_rows), "
@@ -43,6 +45,14 @@ SGD_MOMENTUM = (
 def _is_zero(value: Any) -> bool:
   """A Python zero (not an array: `optax.inject_hyperparams` gives arrays, concrete or not)."""
   return is_python_number(value) and value == 0
+
+
+def _dense_leaves(weight_decay: Any, *refusals: str | None) -> DenseLeaves:
+  """Dense leaves decay (L2) unless the rate is None or a Python zero; sparse leaves never
+  do, and are refused with the first of `refusals` given (torch's refusals)."""
+  decays = weight_decay is not None and not _is_zero(weight_decay)
+  refusal = next((r for r in refusals if r is not None), None)
+  return DenseLeaves("l2" if decays else "none", refusal)
 
 
 def sparse_sgd(
@@ -57,15 +67,21 @@ def sparse_sgd(
   catch_up_idle_rows: bool = False,
   track_changed_rows: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
-  r"""`torch.optim.SGD` for BCOO gradients: the touched rows move, nothing else.
+  r"""`torch.optim.SGD` for BCOO gradients (the touched rows move, nothing else) and dense ones.
 
   With :math:`g` the gradient after summing duplicate indices and :math:`r` its
   rows, :math:`\theta_r \leftarrow \theta_r - \alpha g_r` (ascending with
   `maximize`): torch's SGD on a sparse gradient, with no state.
 
-  torch refuses weight decay with sparse gradients: so does this. torch's
-  momentum keeps a buffer that moves every row it ever saw, every step; on the
-  touched rows
+  A dense gradient leaf (an array, not a BCOO) is stepped as torch.optim.SGD
+  steps a dense gradient, every element, with all of its options: L2
+  `weight_decay` (:math:`g + \lambda\theta`), `momentum`, `dampening`, `nesterov`
+  (its update is dense; `apply_updates` takes both). So one `sparse_sgd` serves a
+  whole model, embedding tables and MLPs alike, as one `torch.optim.SGD` does.
+
+  torch refuses weight decay with sparse gradients: so does this, at `update`,
+  naming the leaf. torch's momentum keeps a buffer that moves every row it ever
+  saw, every step; on the touched rows
 
   .. math::
     b_r \leftarrow \mu b_r + (1 - d) g_r \ (b_r = g_r \text{ at the first step}), \quad
@@ -73,7 +89,8 @@ def sparse_sgd(
 
   and an idle row moves by :math:`-\alpha b (\mu + \dots + \mu^k)` over
   :math:`k` steps (times :math:`\mu` with nesterov) while its buffer decays to
-  :math:`\mu^k b`. Momentum needs one of two flags: `catch_up_idle_rows=True`
+  :math:`\mu^k b`. Momentum with sparse gradients needs one of two flags:
+  `catch_up_idle_rows=True`
   takes those idle steps in closed form when the row is next touched (or by
   `catch_up_rows` / `catch_up_all_rows`): torch's numbers, to float32 rounding,
   at sparse cost; `lazy_momentum=True` leaves idle rows and their buffers as
@@ -81,10 +98,13 @@ def sparse_sgd(
 
   Args:
     learning_rate: a float, or an `optax.Schedule` of the number of updates.
-    momentum: the buffer's decay :math:`\mu` (needs `catch_up_idle_rows=True` or
-      `lazy_momentum=True`).
+    momentum: the buffer's decay :math:`\mu` (for sparse gradients, needs
+      `catch_up_idle_rows=True` or `lazy_momentum=True`; a Python number without
+      them steps dense gradients only and refuses sparse ones at `update`).
     dampening: :math:`d`.
-    weight_decay: must be 0 (as torch with sparse gradients).
+    weight_decay: L2 decay of dense gradients (needs `params` in `update`); a
+      sparse gradient is refused unless it is 0 (as torch). Not with
+      `catch_up_idle_rows=True`.
     nesterov: Nesterov momentum (needs momentum and zero dampening, as in torch).
     maximize: ascend the objective instead of descending it.
     lazy_momentum: allow `momentum > 0` in the row-wise (lazy) form above.
@@ -118,9 +138,11 @@ def sparse_sgd(
   check_nonnegative(("lr", learning_rate), ("momentum", momentum), ("weight_decay", weight_decay))
   if nesterov and (known_number(momentum) == 0 or known_number(dampening) not in (0, None)):
     raise ValueError("Nesterov momentum requires a momentum and zero dampening")
-  if known_number(weight_decay) not in (0, None):
-    raise ValueError(SGD_WEIGHT_DECAY.format(wd=weight_decay))
-  if known_number(momentum) not in (0, None) and not (lazy_momentum or catch_up_idle_rows):
+  flagged = lazy_momentum or catch_up_idle_rows
+  # A Python momentum without a flag: torch's buffer on dense gradients, sparse ones
+  # refused at update; an array one (optax.inject_hyperparams) is refused here.
+  dense_momentum = is_python_number(momentum) and momentum != 0 and not flagged
+  if known_number(momentum) not in (0, None) and not (flagged or dense_momentum):
     raise ValueError(SGD_MOMENTUM.format(momentum=momentum))
   if lazy_momentum and catch_up_idle_rows:
     raise ValueError(
@@ -131,13 +153,20 @@ def sparse_sgd(
   # The buffer by the flags, not the value, but for a Python zero: the state's structure
   # stays the same when optax.inject_hyperparams passes momentum as an array (with 0, the
   # buffer is g and nothing idle moves).
-  buffered = lazy_momentum or (catch_up_idle_rows and not _is_zero(momentum))
+  buffered = lazy_momentum or dense_momentum or (catch_up_idle_rows and not _is_zero(momentum))
+  refuse_decay = known_number(weight_decay) not in (0, None)
   return sparse_rule_transformation(
     SGDRule(momentum=buffered, nesterov=nesterov),
-    SGDHyperparams(learning_rate, momentum, dampening, None),
+    SGDHyperparams(learning_rate, momentum, dampening, weight_decay),
     maximize=maximize,
+    weight_decay_mode="none",  # sparse leaves; dense ones below
     catch_up_idle_rows=catch_up_idle_rows,
     track_changed_rows=track_changed_rows,
+    dense_gradients=_dense_leaves(
+      weight_decay,
+      SGD_WEIGHT_DECAY.format(wd=weight_decay) if refuse_decay else None,
+      SGD_MOMENTUM.format(momentum=momentum) if dense_momentum else None,
+    ),
     name="sparse_sgd",
   )
 
@@ -153,7 +182,7 @@ def sparse_adagrad(
   catch_up_idle_rows: bool = False,
   track_changed_rows: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
-  r"""`torch.optim.Adagrad` for BCOO gradients: lazy, as torch is on sparse gradients.
+  r"""`torch.optim.Adagrad` for BCOO gradients (lazy, as torch is on them) and dense ones.
 
   With :math:`g` the gradient after summing duplicate indices (torch coalesces
   it), :math:`r` its rows and :math:`t` the parameter's step count,
@@ -165,10 +194,19 @@ def sparse_adagrad(
 
   and nothing else changes; :math:`s` starts at `initial_accumulator_value`.
 
+  A dense gradient leaf (an array, not a BCOO) is stepped as torch.optim.Adagrad
+  steps a dense gradient: the same formula on every element, with L2
+  `weight_decay` (:math:`g + \lambda\theta` first), its update dense. So one
+  `sparse_adagrad` serves a whole model, as one `torch.optim.Adagrad` does
+  (`optax.adagrad` differs: its accumulator starts at 0.1 and its eps is inside
+  the root).
+
   Args:
     learning_rate: :math:`\alpha`, a float or an `optax.Schedule`.
     lr_decay: :math:`\eta`.
-    weight_decay: must be 0: torch refuses it with sparse gradients.
+    weight_decay: L2 decay of dense gradients (needs `params` in `update`); a
+      sparse gradient is refused unless it is 0 (as torch). Not with
+      `catch_up_idle_rows=True`.
     initial_accumulator_value: where :math:`s` starts.
     eps: added to :math:`\sqrt{s}`.
     maximize: ascend the objective instead of descending it.
@@ -203,21 +241,25 @@ def sparse_adagrad(
     ("initial_accumulator_value", initial_accumulator_value),
     ("epsilon", eps),
   )
+  refusal = None
   if known_number(weight_decay) not in (0, None):
-    raise ValueError(
-      f"weight_decay={weight_decay!r}: weight_decay option is not compatible with sparse "
-      "gradients (torch.optim.Adagrad's words: its decay would move every row). For a decay "
-      "of the touched rows only, use sparse_rowwise_adagrad(weight_decay_mode=...)."
+    refusal = (
+      f"weight_decay={weight_decay!r} decays dense gradients only: weight_decay option is "
+      "not compatible with sparse gradients (torch.optim.Adagrad's words: its decay would "
+      "move every row). For a decay of the touched rows only, use "
+      "sparse_rowwise_adagrad(weight_decay_mode=...)."
     )
   # It fills the state at init: static (0 where optax.inject_hyperparams traces it in a
   # jitted update, which never reads it).
   initial = known_number(initial_accumulator_value)
   return sparse_rule_transformation(
     AdagradRule(initial_accumulator_value=float(initial or 0.0)),
-    AdagradHyperparams(learning_rate, lr_decay, eps, None),
+    AdagradHyperparams(learning_rate, lr_decay, eps, weight_decay),
     maximize=maximize,
+    weight_decay_mode="none",  # sparse leaves; dense ones below
     catch_up_idle_rows=catch_up_idle_rows,  # lazy Adagrad is dense Adagrad: no state
     track_changed_rows=track_changed_rows,
+    dense_gradients=_dense_leaves(weight_decay, refusal),
     name="sparse_adagrad",
   )
 

@@ -55,7 +55,29 @@ class SparseRuleState(NamedTuple):
   row_last_step: optax.Updates | None = None
 
 
-_DENSE_TWIN = {"sparse_sgd": "optax.sgd", "sparse_adagrad": "optax.adagrad"}
+# Where a dense gradient goes instead, for the transformations that refuse them: the
+# factory, and what the message says of it.
+_DENSE_TWIN = {
+  "sparse_rowwise_adagrad": (
+    "optax_sparse_adam.sparse_adagrad",
+    " (torch.optim.Adagrad's numbers, dense gradients included)",
+  ),
+}
+
+
+class DenseLeaves(NamedTuple):
+  """How a transformation that takes dense gradients steps them (`sparse_sgd`, `sparse_adagrad`).
+
+  Attributes:
+    weight_decay_mode: the dense leaves' weight decay ("none", "l2",
+      "decoupled"; torch's, which it refuses on sparse gradients), or None: the
+      sparse leaves'.
+    sparse_refusal: a message refusing BCOO gradients (options the dense
+      optimizer takes but torch refuses on sparse gradients), or None.
+  """
+
+  weight_decay_mode: str | None = None
+  sparse_refusal: str | None = None
 
 
 def check_grad_leaves(
@@ -63,17 +85,27 @@ def check_grad_leaves(
   shapes: Sequence[tuple[int, ...] | None],
   params: list[Any],
   what: str = "sparse_adam",
+  dense: DenseLeaves | None = None,
 ) -> None:
-  """Refuses a dense gradient, a BCOO of the wrong layout, or a param of another shape.
+  """Refuses a dense gradient (unless `dense`), a BCOO of the wrong layout, or a param of
+  another shape.
 
   `shapes[i]` is the shape the state keeps for leaf i (None: known from the
   gradient only). Runs over every leaf before anything is computed, so a bad
   leaf fails the whole call and no state changes.
   """
-  # The dense optimizer that matches, where optax has one.
-  dense = _DENSE_TWIN.get(what, "optax.adam")
+  twin, twin_note = _DENSE_TWIN.get(what, ("optax.adam", ""))
   for (path, grad), shape, param in zip(grads_with_path, shapes, params, strict=True):
     if grad is None:
+      continue
+    if not isinstance(grad, sparse.BCOO) and dense is not None:
+      grad_shape = tuple(jnp.shape(grad))
+      for known, whose in ((shape, "optimizer state"), (_shape_or_none(param), "parameter")):
+        if known is not None and tuple(known) != grad_shape:
+          raise ValueError(
+            f"{what}: the dense gradient at {path_str(path)} has shape {grad_shape} but "
+            f"its {whose} has shape {tuple(known)}; they must be equal."
+          )
       continue
     if not isinstance(grad, sparse.BCOO):
       raise TypeError(
@@ -83,12 +115,17 @@ def check_grad_leaves(
         "build the BCOO: rows = table[ids]; row_grads = jax.grad(loss_of_rows)(rows); "
         "grad = jax.experimental.sparse.BCOO((row_grads, ids[:, None]), "
         "shape=table.shape). With Flax, optax_sparse_adam.sparse_value_and_grad does "
-        "this for osa.SparseEmbed / LinenSparseEmbed tables. If the parameter is not "
-        f"an embedding table, give it to {dense}, or route dense and sparse leaves "
-        f"apart with optax.multi_transform({{'sparse': {what}(...), "
-        f"'dense': {dense}(...)}}, labels). If it is wrapped in optax.MultiSteps, "
-        "which accumulates gradients densely, use optax_sparse_adam.sparse_multi_steps "
-        "instead."
+        "this for osa.SparseEmbed / SparseEmbedBag / LinenSparseEmbed / "
+        "LinenSparseEmbedBag tables. If the parameter is not an embedding table, give it "
+        f"to {twin}{twin_note}, or route dense and sparse leaves apart with "
+        f"optax.multi_transform({{'sparse': {what}(...), 'dense': {twin}(...)}}, labels). "
+        "If it is "
+        "wrapped in optax.MultiSteps, which accumulates gradients densely, use "
+        "optax_sparse_adam.sparse_multi_steps instead."
+      )
+    if dense is not None and dense.sparse_refusal is not None:
+      raise ValueError(
+        f"{what}: the gradient at {path_str(path)} is sparse (BCOO): " + (dense.sparse_refusal)
       )
     if shape is None:
       shape = tuple(grad.shape) if param is None else tuple(jnp.shape(param))
@@ -99,6 +136,10 @@ def check_grad_leaves(
         f"its optimizer state has shape {tuple(shape)}: pass the params "
         "given to init (or re-init the state after reshaping them)."
       )
+
+
+def _shape_or_none(param: Any) -> tuple[int, ...] | None:
+  return None if param is None else tuple(jnp.shape(param))
 
 
 def advance_param_steps(
@@ -121,10 +162,13 @@ def step_leaves(
   config: rules.StepConfig,
   hyper: Any,
   opaque_zero: jax.Array | None,
+  dense_config: rules.StepConfig | None = None,
 ) -> tuple[list[Any], list[rules.Tables], list[Any]]:
   """Steps every parameter whose gradient is not None: `(updates, tables, steps)` per leaf.
 
-  A None gradient leaves its parameter's tables and step as they are (update None).
+  A None gradient leaves its parameter's tables and step as they are (update None);
+  a dense gradient (checked by `check_grad_leaves`) steps every element under
+  `dense_config` (`leaf.dense_leaf_step`) and its update is dense.
   """
   new_updates: list[Any] = []
   new_tables: list[rules.Tables] = []
@@ -134,6 +178,22 @@ def step_leaves(
       new_updates.append(None)
       new_tables.append(leaf_tables)
       new_steps.append(step)
+      continue
+    if not isinstance(grad, sparse.BCOO):
+      assert dense_config is not None  # check_grad_leaves refused it otherwise
+      dense_result = leaf.dense_leaf_step(
+        grad,
+        leaf_tables,
+        step,
+        rule=rule,
+        config=dense_config,
+        hyper=hyper,
+        path=path,
+        opaque_zero=opaque_zero,
+      )
+      new_updates.append(dense_result.update)
+      new_tables.append(dense_result.tables)
+      new_steps.append(dense_result.step)
       continue
     result = leaf.masked_leaf_step(
       grad,
@@ -184,6 +244,7 @@ def sparse_rule_transformation(
   max_norm: float | None = None,
   catch_up_idle_rows: bool = False,
   track_changed_rows: bool = False,
+  dense_gradients: bool | DenseLeaves = False,
   name: str = "sparse_rule_transformation",
 ) -> optax.GradientTransformationExtraArgs:
   r"""The optax transformation of a row rule, for BCOO gradients: masked, row by row.
@@ -226,6 +287,11 @@ def sparse_rule_transformation(
     track_changed_rows: keep each row's last written step (`row_last_step`,
       one int32 per row, shared with catch-up), for `changed_rows`,
       `rows_delta` and `reset_rows` (docs/online.md).
+    dense_gradients: also step dense gradient leaves: every row, under the same
+      rule (the rule's row step on all rows; for an elementwise rule the dense
+      optimizer's formula), their updates dense. False: refuse them, by path.
+      A `DenseLeaves` value also sets their weight decay apart from the sparse
+      leaves' (torch's SGD and Adagrad decay dense gradients only).
     name: the factory's name in error messages.
 
   Returns:
@@ -278,6 +344,19 @@ def sparse_rule_transformation(
     moment_rounding=moment_rounding,
     max_norm=max_norm,
   )
+  dense: DenseLeaves | None = None
+  dense_config = None
+  if dense_gradients is not False:
+    dense = dense_gradients if isinstance(dense_gradients, DenseLeaves) else DenseLeaves()
+    dense_config = config
+    if dense.weight_decay_mode is not None and dense.weight_decay_mode != config.weight_decay:
+      dense_config = config._replace(weight_decay=dense.weight_decay_mode)  # type: ignore[arg-type]
+      if catch_up_idle_rows and rules.catch_up_of(rule, dense_config).refused:
+        raise ValueError(
+          f"{name}: catch_up_idle_rows=True does not compose with weight decay, which "
+          f"moves the dense gradients' rows ({rules.catch_up_of(rule, dense_config).refused}). "
+          "Pass one of them."
+        )
   closed_form = rules.catch_up_of(rule, config)
   if catch_up_idle_rows:
     catch_up.refuse_unless_closed_form(name, rule, closed_form)
@@ -365,7 +444,7 @@ def sparse_rule_transformation(
     shapes = [
       tuple(slot_leaves[full_width[0]][i].shape) if full_width else None for i in range(len(paths))
     ]
-    check_grad_leaves(grads_with_path, shapes, param_leaves, name)
+    check_grad_leaves(grads_with_path, shapes, param_leaves, name, dense)
 
     hyper = hyper_at(state.count)
     opaque_zero = jnp.minimum(state.count, 0)  # products rounded before adds (adam.rounded)
@@ -381,6 +460,7 @@ def sparse_rule_transformation(
       config=config,
       hyper=hyper,
       opaque_zero=opaque_zero,
+      dense_config=dense_config,
     )
 
     indices: list[int | None] = list(range(len(paths)))

@@ -33,6 +33,7 @@ from jax import lax
 from jax.custom_derivatives import SymbolicZero
 from jax.extend import core as jax_core
 
+from optax_sparse_adam._core import ragged
 from optax_sparse_adam._core.errors import describe
 from optax_sparse_adam._core.sharded import lookup
 
@@ -290,6 +291,12 @@ def _lookup(table: Any, ids: Any, *, owner: Any) -> jax.Array:
   if jnp.ndim(array) != 2:
     raise ValueError(
       f"embedding_lookup: the table must be (num_embeddings, features), got {describe(array)}."
+    )
+  if type(ids).__name__ == "DynamicJaxprTracer":  # traced for a compiled step (jit)
+    ragged.note_traced_ids(
+      f"The embedding table of shape {tuple(array.shape)} ({array.dtype})",
+      (tuple(array.shape), str(array.dtype)),
+      tuple(ids.shape),
     )
   tape = _active_tape()
   if tape is not None:

@@ -19,6 +19,9 @@ everything but the torch checkpoint functions works without it.
 """
 
 from optax_sparse_adam.torch_compat._adagrad import Adagrad as Adagrad
+from optax_sparse_adam.torch_compat._bridge import named_parameters as named_parameters
+from optax_sparse_adam.torch_compat._bridge import parameters_tree as parameters_tree
+from optax_sparse_adam.torch_compat._bridge import set_grads as set_grads
 from optax_sparse_adam.torch_compat._convert import load_torch_checkpoint as load_torch_checkpoint
 from optax_sparse_adam.torch_compat._convert import save_torch_checkpoint as save_torch_checkpoint
 from optax_sparse_adam.torch_compat._convert import state_dict_to_torch as state_dict_to_torch
@@ -36,6 +39,9 @@ __all__ = (
   "SGD",
   "SparseAdam",
   "load_torch_checkpoint",
+  "named_parameters",
+  "parameters_tree",
   "save_torch_checkpoint",
+  "set_grads",
   "state_dict_to_torch",
 )

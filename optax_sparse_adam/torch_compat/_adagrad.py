@@ -19,7 +19,16 @@ def _hyper(group: dict[str, Any], step: int, dtype: Any) -> AdagradHyperparams:
     learning_rate=None,
     lr_decay=None,
     eps=np.asarray(float(group["eps"]), np.float64).astype(dtype),
+    weight_decay=np.asarray(float(group["weight_decay"]), np.float64).astype(dtype),
     step_size=np.asarray(clr, np.float64).astype(dtype),
+  )
+
+
+def _plan(group: dict[str, Any], dense: bool) -> tuple[AdagradRule, rules.StepConfig]:
+  """torch's L2 decay on dense gradients (refused on sparse ones, `refusals`)."""
+  decays = dense and float(group["weight_decay"]) != 0
+  return AdagradRule(), rules.StepConfig(
+    maximize=bool(group["maximize"]), weight_decay="l2" if decays else "none"
   )
 
 
@@ -36,14 +45,14 @@ _TABLE = TorchRule(
     "has weight_decay={value!r}; torch's decay would move every row. For a decay of the "
     "touched rows only, use optax_sparse_adam.sparse_rowwise_adagrad(weight_decay_mode=...).)",
   },
-  plan=lambda group: (AdagradRule(), rules.StepConfig(maximize=bool(group["maximize"]))),
+  plan=_plan,
   hyper=_hyper,
   slot_init=lambda group, slot: float(group["initial_accumulator_value"]),
 )
 
 
 class Adagrad(RuleOptimizer):
-  r"""`torch.optim.Adagrad` for `Parameter`s holding JAX arrays and BCOO gradients.
+  r"""`torch.optim.Adagrad` for `Parameter`s holding JAX arrays, with BCOO or dense gradients.
 
   For each parameter with a gradient, its step :math:`t` advances and, with
   :math:`g` the gradient with duplicate indices summed (torch coalesces it) and
@@ -57,15 +66,21 @@ class Adagrad(RuleOptimizer):
   `'sum'` (the parameter's shape, from `initial_accumulator_value`), made in the
   constructor for every parameter, as torch does; state dicts move both ways.
 
+  A dense gradient (a `jax.Array`, as an MLP's) steps every element as torch's
+  dense Adagrad, L2 `weight_decay` (:math:`g + \lambda\theta` first) included:
+  one `Adagrad(model_params)` serves a whole model.
+
   `weight_decay` and `fused=True`, which torch refuses with sparse gradients,
-  are refused at `step()` with torch's words, before anything changes.
+  are refused at `step()` with torch's words for a group with a sparse gradient,
+  before anything changes.
 
   Args:
     params: an iterable of `Parameter`s, of `(name, Parameter)` pairs, or of
       param-group dicts.
     lr: learning rate :math:`\alpha`.
     lr_decay: :math:`\eta`.
-    weight_decay: must be 0 at `step()` (torch raises).
+    weight_decay: L2 decay of dense gradients; must be 0 at `step()` for a group
+      with a sparse gradient (torch raises).
     initial_accumulator_value: where :math:`s` starts.
     eps: added to :math:`\sqrt{s}`.
     foreach: accepted, no effect (torch's sparse path ignores it too).

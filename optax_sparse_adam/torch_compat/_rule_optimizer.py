@@ -46,11 +46,15 @@ class TorchRule(NamedTuple):
     refusals: `{option: message}`, the options torch refuses with sparse gradients
       (refused where a flag is true or a number is not 0), with torch's words
       (formatted with `where`, the group, and `value`); checked at step time,
-      before any change.
-    plan: `(group) -> (rule, StepConfig)`, static per group.
+      before any change, for a group with a sparse gradient.
+    plan: `(group, dense) -> (rule, StepConfig)`, static per group, for its sparse
+      (`dense=False`) or dense gradients (torch's dense step: every element).
     hyper: `(group, step, compute dtype) -> hyper-parameters` on the host.
     slot_init: `(group, slot name) -> fill value` of a fresh slot.
-    check_group: `(group, where)`: any other refusal at step time, or None.
+    check_group: `(group, where)`: any other refusal at step time for a group with
+      a sparse gradient, or None.
+    check_dense: `(group, where)`: a refusal at step time for a group with a dense
+      gradient, or None.
   """
 
   torch_name: str
@@ -59,10 +63,11 @@ class TorchRule(NamedTuple):
   step_type: type
   eager_state: bool
   refusals: dict[str, str]
-  plan: Callable[[dict[str, Any]], tuple[Any, rules.StepConfig]]
+  plan: Callable[[dict[str, Any], bool], tuple[Any, rules.StepConfig]]
   hyper: Callable[[dict[str, Any], int, Any], Any]
   slot_init: Callable[[dict[str, Any], str], float]
   check_group: Callable[[dict[str, Any], str], None] | None = None
+  check_dense: Callable[[dict[str, Any], str], None] | None = None
 
   def refuse(self, group: dict[str, Any], where: str) -> None:
     """Raises torch's error for the first option of `group` that torch refuses."""
@@ -79,7 +84,7 @@ class TorchRule(NamedTuple):
 
 
 class RuleOptimizer(Optimizer):
-  """A `torch.optim` optimizer for `Parameter`s with BCOO gradients, from a `TorchRule`."""
+  """A `torch.optim` optimizer for `Parameter`s with BCOO or dense gradients, from a `TorchRule`."""
 
   TABLE: TorchRule
 
@@ -160,8 +165,9 @@ class RuleOptimizer(Optimizer):
   def step(self, closure: Any = None) -> Any:
     """Performs one optimization step of every parameter that has a gradient.
 
-    A parameter whose `.grad` is None is skipped; every gradient and every
-    group's options are checked before anything changes.
+    A parameter whose `.grad` is None is skipped; a BCOO gradient steps the rows
+    it touches, a dense one every element (torch's dense step); every gradient
+    and every group's options are checked before anything changes.
 
     Args:
       closure: an optional callable that recomputes the loss; called first.
@@ -171,18 +177,16 @@ class RuleOptimizer(Optimizer):
     """
     loss = None if closure is None else closure()
     table = self.TABLE
-    dense = (
-      f"this {table.torch_name} takes sparse (BCOO) gradients only ({{}}); give dense "
-      f"parameters to torch.optim.{table.torch_name} or an optax optimizer"
-    )
-
-    def checked_group(group: dict[str, Any], where: str) -> dict[str, Any]:
-      table.refuse(group, where)
-      return group
-
-    todo = grads_to_step(self.param_groups, dense.format, checked_group)
+    todo = grads_to_step(self.param_groups, str, lambda group, where: group, dense_ok=True)
     if not todo:
       return loss
+    for gi, group in enumerate(self.param_groups):
+      kinds = {isinstance(grad, sparse.BCOO) for _, grad, g in todo if g is group}
+      where = f"param_groups[{gi}]"
+      if True in kinds:
+        table.refuse(group, where)
+      if False in kinds and table.check_dense is not None:
+        table.check_dense(group, where)
 
     params, slots, grads, hypers, plans, steps = [], [], [], [], [], []
     for p, _, group in todo:
@@ -192,7 +196,7 @@ class RuleOptimizer(Optimizer):
       slots.append({slot: state[key] for key, slot in table.slots.items()})
       grads.append(p.grad)
       hypers.append(table.hyper(group, int(step), _step.compute_dtype(p, p.grad)))
-      plans.append(table.plan(group))
+      plans.append(table.plan(group, not isinstance(p.grad, sparse.BCOO)))
       steps.append(step)
     copy_shared_buffers(params)
     new_params, new_slots = _step.fused_rule_step(

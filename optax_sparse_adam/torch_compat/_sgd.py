@@ -23,10 +23,32 @@ def _check_momentum(group: dict[str, Any], where: str) -> None:
     )
 
 
+def _check_dense_momentum(group: dict[str, Any], where: str) -> None:
+  """Momentum on dense gradients is torch's, but this adapter keeps no buffer: refused."""
+  if _step.lr_value(group["momentum"], f"{where}['momentum']") != 0:
+    raise RuntimeError(
+      f"{where} has momentum={group['momentum']!r}: this adapter keeps no momentum buffer, "
+      "for dense gradients either. Use optax_sparse_adam.sparse_sgd(momentum=...), which "
+      "steps dense gradients with torch.optim.SGD's momentum, or momentum=0."
+    )
+
+
 def _hyper(group: dict[str, Any], step: int, dtype: Any) -> SGDHyperparams:
   del step
   lr = _step.lr_value(group["lr"], "lr")
-  return SGDHyperparams(learning_rate=np.asarray(lr, np.float64).astype(dtype))
+  wd = float(_step.lr_value(group["weight_decay"], "weight_decay"))
+  return SGDHyperparams(
+    learning_rate=np.asarray(lr, np.float64).astype(dtype),
+    weight_decay=np.asarray(wd, np.float64).astype(dtype),
+  )
+
+
+def _plan(group: dict[str, Any], dense: bool) -> tuple[SGDRule, rules.StepConfig]:
+  """torch's L2 decay on dense gradients (refused on sparse ones, `refusals`)."""
+  decays = dense and float(_step.lr_value(group["weight_decay"], "weight_decay")) != 0
+  return SGDRule(), rules.StepConfig(
+    maximize=bool(group["maximize"]), weight_decay="l2" if decays else "none"
+  )
 
 
 _TABLE = TorchRule(
@@ -43,27 +65,32 @@ _TABLE = TorchRule(
     "optax_sparse_adam.sparse_rowwise_adagrad(weight_decay_mode=...) or sparse_adamw.)",
   },
   check_group=_check_momentum,
-  plan=lambda group: (SGDRule(), rules.StepConfig(maximize=bool(group["maximize"]))),
+  check_dense=_check_dense_momentum,
+  plan=_plan,
   hyper=_hyper,
   slot_init=lambda group, slot: 0.0,
 )
 
 
 class SGD(RuleOptimizer):
-  r"""`torch.optim.SGD` for `Parameter`s holding JAX arrays and BCOO gradients.
+  r"""`torch.optim.SGD` for `Parameter`s holding JAX arrays, with BCOO or dense gradients.
 
-  For each parameter with a gradient, with :math:`g` the gradient with
+  For each parameter with a BCOO gradient, with :math:`g` the gradient with
   duplicate indices summed and :math:`r` the rows it touches,
   :math:`\theta_r \leftarrow \theta_r - \alpha g_r` (ascending with `maximize`),
   and nothing else changes: torch's SGD on a sparse gradient. It keeps no
   state. torch applies an uncoalesced gradient entry by entry: a row with
-  duplicate ids then differs from torch's in the last bits.
+  duplicate ids then differs from torch's in the last bits. A dense gradient
+  (a `jax.Array`, as an MLP's) steps every element as torch's dense SGD, L2
+  `weight_decay` included: one `SGD(model_params)` serves a whole model.
 
   Options torch refuses with sparse gradients (`weight_decay`, `fused=True`)
   are refused with torch's words at `step()`, before anything changes, and so is
   `momentum`, which torch runs densely on sparse gradients (see
   `optax_sparse_adam.sparse_sgd(momentum=..., catch_up_idle_rows=True)`, which
-  is torch's momentum at sparse cost).
+  is torch's momentum at sparse cost). Momentum is refused for dense gradients
+  too (this adapter keeps no buffer; `sparse_sgd(momentum=...)` steps dense
+  gradients with it).
 
   Args:
     params: an iterable of `Parameter`s, of `(name, Parameter)` pairs, or of
@@ -71,7 +98,8 @@ class SGD(RuleOptimizer):
     lr: learning rate.
     momentum: must be 0 at `step()` (see above).
     dampening: no effect without momentum (as in torch).
-    weight_decay: must be 0 at `step()` (torch raises).
+    weight_decay: L2 decay of dense gradients; must be 0 at `step()` for a group
+      with a sparse gradient (torch raises).
     nesterov: needs momentum (torch's constructor check).
     maximize: ascend the objective instead of descending it.
     foreach: accepted, no effect (torch's sparse path ignores it too).

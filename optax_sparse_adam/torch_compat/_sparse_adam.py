@@ -116,16 +116,29 @@ def _check_layout(grad: sparse.BCOO, param_shape: tuple[int, ...], path: tuple) 
     _PASSED_LAYOUTS.popitem(last=False)
 
 
+def param_label(group: dict[str, Any], where: str, index: int) -> str:
+  """How errors name a parameter: its name where the group has names, and its position."""
+  position = f"{where}['params'][{index}]"
+  names = group.get("param_names")
+  if names is not None and index < len(names):
+    return f"parameter {names[index]!r} ({position})"
+  return position
+
+
 def grads_to_step(
   param_groups: list[dict[str, Any]],
   dense_message: Callable[[str], str],
   per_group: Callable[[dict[str, Any], str], Any],
-) -> list[tuple[Parameter, sparse.BCOO, Any]]:
+  *,
+  dense_ok: bool = False,
+) -> list[tuple[Parameter, Any, Any]]:
   """`(param, grad, per_group(group))` for every parameter with a gradient, all checked first.
 
-  A dense gradient fails with `dense_message(what it is)`, a BCOO of the wrong layout
-  with `bcoo.row_layout`'s error; `per_group` runs once per group that has a gradient
-  (reading and checking its options). Nothing has changed when one fails.
+  A dense gradient fails with `dense_message(what it is)` (unless `dense_ok`: then
+  one of another shape or a non-floating dtype fails), a BCOO of the wrong layout
+  with `bcoo.row_layout`'s error; `per_group` runs once per group that has a
+  gradient (reading and checking its options). Parameters are named as the user
+  named them where known (`param_label`). Nothing has changed when one fails.
   """
   todo = []
   for gi, group in enumerate(param_groups):
@@ -135,16 +148,26 @@ def grads_to_step(
       grad = p.grad
       if grad is None:
         continue
-      path = (f"{where}['params'][{pi}]",)
+      label = param_label(group, where, pi)
       if not isinstance(grad, sparse.BCOO):
         shape = getattr(grad, "shape", None)
-        raise RuntimeError(
-          dense_message(
-            f"{path[0]} has a dense gradient of type {type(grad).__name__}"
-            f"{'' if shape is None else f' with shape {tuple(shape)}'}"
+        if not dense_ok:
+          raise RuntimeError(
+            dense_message(
+              f"{label} has a dense gradient of type {type(grad).__name__}"
+              f"{'' if shape is None else f' with shape {tuple(shape)}'}"
+            )
           )
-        )
-      _check_layout(grad, p.shape, path)
+        dtype = getattr(grad, "dtype", None)
+        if shape is None or tuple(shape) != tuple(p.shape):
+          raise RuntimeError(
+            f"{label} has a gradient of shape {None if shape is None else tuple(shape)} "
+            f"but the parameter has shape {tuple(p.shape)}; they must be equal"
+          )
+        if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+          raise RuntimeError(f"{label} has a gradient of dtype {dtype}; expected a float dtype")
+      else:
+        _check_layout(grad, p.shape, (label,))
       if value is None:
         value = per_group(group, where)
       todo.append((p, grad, value))

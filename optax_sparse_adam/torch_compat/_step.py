@@ -191,13 +191,15 @@ def fused_step(
 def fused_rule_step(
   params: Sequence[jax.Array],
   slots: Sequence[dict[str, jax.Array]],
-  grads: Sequence[sparse.BCOO],
+  grads: Sequence[sparse.BCOO | jax.Array],
   hypers: Sequence[Any],
   opaque_zero: jax.Array,
   *,
   plans: tuple[tuple[Any, rules.StepConfig], ...],
 ) -> tuple[list[jax.Array], list[dict[str, jax.Array]]]:
   """One step of every listed parameter under its `(rule, StepConfig)`; params and slots donated.
+
+  A BCOO gradient steps its rows; a dense one every element (`leaf.dense_leaf_step`).
 
   `hypers[i]` are parameter i's hyper-parameters, computed on the host (arrays:
   editing a group's options does not recompile; None fields are static).
@@ -206,6 +208,19 @@ def fused_rule_step(
   for param, tables, grad, hyper, (rule, config) in zip(
     params, slots, grads, hypers, plans, strict=True
   ):
+    if not isinstance(grad, sparse.BCOO):  # torch's dense step: every element
+      dense = leaf.dense_leaf_step(
+        grad,
+        rules.Tables(dict(tables), param=param),
+        None,
+        rule=rule,
+        config=config,
+        hyper=hyper,
+        opaque_zero=opaque_zero,
+      )
+      new_params.append((param + dense.update).astype(param.dtype))
+      new_slots.append(dense.tables.slots)
+      continue
     step = leaf.masked_leaf_step(
       grad,
       rules.Tables(dict(tables), param=param),

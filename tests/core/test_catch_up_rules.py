@@ -190,7 +190,10 @@ def test_catch_up_rows_refuses_rules_without_a_closed_form_by_name(make, words):
       lambda: osa.sparse_adam(LR, rowwise_second_moment=True, catch_up_idle_rows=True),
       "sparse_adam: catch_up_idle_rows=True is not available for the rule 'rowwise_adam'",
     ),
-    (lambda: osa.sparse_sgd(LR, momentum=0.9), "catch_up_idle_rows=True for torch's numbers"),
+    (
+      lambda: osa.sparse_sgd(LR, momentum=jnp.asarray(0.9)),
+      "catch_up_idle_rows=True for torch's numbers",
+    ),
   ],
 )
 def test_catch_up_idle_rows_is_refused_when_made_without_a_closed_form(make, words):
