@@ -17,6 +17,8 @@ from optax_sparse_adam._core.row_rules.adagrad import AdagradHyperparams as Adag
 from optax_sparse_adam._core.row_rules.adagrad import AdagradRule as AdagradRule
 from optax_sparse_adam._core.row_rules.adam import AdamCoefficients as AdamCoefficients
 from optax_sparse_adam._core.row_rules.adam import LeafState as LeafState
+from optax_sparse_adam._core.row_rules.ftrl import FtrlHyperparams as FtrlHyperparams
+from optax_sparse_adam._core.row_rules.ftrl import FtrlRule as FtrlRule
 from optax_sparse_adam._core.row_rules.rowwise_adagrad import (
   RowwiseAdagradHyperparams as RowwiseAdagradHyperparams,
 )
@@ -31,6 +33,7 @@ from optax_sparse_adam._core.rules import IdleBlock as IdleBlock
 from optax_sparse_adam._core.rules import RowBlock as RowBlock
 from optax_sparse_adam._core.rules import RowRule as RowRule
 from optax_sparse_adam._core.rules import Slot as Slot
+from optax_sparse_adam._core.set_rows import SetRowsUpdate as SetRowsUpdate
 from optax_sparse_adam._core.sharded.lookup import sharded_lookup as sharded_lookup
 from optax_sparse_adam._core.sharded.overflow import (
   RoutingOverflowWarning as RoutingOverflowWarning,
@@ -52,6 +55,7 @@ from optax_sparse_adam._optax.multi_steps import RowBuffer as RowBuffer
 from optax_sparse_adam._optax.multi_steps import SparseMultiStepsState as SparseMultiStepsState
 from optax_sparse_adam._optax.multi_steps import sparse_multi_steps as sparse_multi_steps
 from optax_sparse_adam._optax.optimizers import sparse_adagrad as sparse_adagrad
+from optax_sparse_adam._optax.optimizers import sparse_ftrl as sparse_ftrl
 from optax_sparse_adam._optax.optimizers import sparse_rowwise_adagrad as sparse_rowwise_adagrad
 from optax_sparse_adam._optax.optimizers import sparse_sgd as sparse_sgd
 from optax_sparse_adam._optax.rule_transform import SparseRuleState as SparseRuleState
@@ -69,6 +73,8 @@ __all__ = (
   "AdamCoefficients",
   "CatchUp",
   "CaughtUp",
+  "FtrlHyperparams",
+  "FtrlRule",
   "HugePageAdvice",
   "IdleBlock",
   "LeafState",
@@ -85,6 +91,7 @@ __all__ = (
   "SparseAdamState",
   "SparseMultiStepsState",
   "SparseRuleState",
+  "SetRowsUpdate",
   "advise_huge_pages",
   "apply_updates",
   "catch_up_all_rows",
@@ -102,6 +109,7 @@ __all__ = (
   "sparse_adam_leaf_step",
   "sparse_adamw",
   "sparse_apply_if_finite",
+  "sparse_ftrl",
   "sparse_grad_checks",
   "sparse_multi_steps",
   "sparse_rowwise_adagrad",

@@ -235,7 +235,8 @@ def empty_updates_like(shapes: Any) -> Any:
       nse, n_sparse = s.indices.shape[-2:]
       leading = s.shape[s.n_batch] + jnp.arange(nse, dtype=s.indices.dtype)
       indices = jnp.zeros(s.indices.shape, s.indices.dtype).at[..., 0].set(leading)
-      return sparse.BCOO(
+      # Its own type: a rule's set rows (`SetRowsUpdate`) stay set rows, all dropped.
+      return type(s)(
         (
           _typed_like(jnp.zeros(s.data.shape, s.data.dtype), s.data),
           _typed_like(indices, s.indices),

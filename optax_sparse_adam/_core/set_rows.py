@@ -1,0 +1,35 @@
+"""`SetRowsUpdate`: a BCOO update that holds a parameter's new rows, to be stored as they are.
+
+A rule that declares `sets_rows` (`rules.RowRule`) computes the touched rows'
+new values, not their deltas. Added as a delta, `w + (w_new - w)` is not
+`w_new` in floating point (an exact zero, FTRL's L1, comes back as a tiny
+residue), so its update is this subclass of BCOO: the same `(data, indices)`
+pytree and metadata, a different type, which `apply_updates` stores with a
+scatter-set (padding indices, out of range, dropped). Its type is part of the
+pytree structure, so a tree of such updates cannot be mistaken for deltas.
+"""
+
+from __future__ import annotations
+
+import jax
+from jax.experimental.sparse import BCOO
+
+
+@jax.tree_util.register_pytree_node_class
+class SetRowsUpdate(BCOO):
+  """A BCOO update whose entries are the parameter's new values at its rows (not deltas).
+
+  `optax_sparse_adam.apply_updates` stores its entries (`param[rows] = data`),
+  where it adds a plain BCOO's. Made by the optax transformation of a rule that
+  sets rows (`sparse_ftrl`); its data are in the parameter's dtype.
+  """
+
+
+def as_set_rows(update: BCOO) -> SetRowsUpdate:
+  """`update`'s arrays and metadata as a `SetRowsUpdate`."""
+  return SetRowsUpdate(
+    (update.data, update.indices),
+    shape=update.shape,
+    indices_sorted=update.indices_sorted,
+    unique_indices=update.unique_indices,
+  )
