@@ -310,3 +310,14 @@ def test_a_zero_weight_decay_with_mode_none_is_accepted_also_through_inject_hype
     optax.inject_hyperparams(osa.sparse_rowwise_adagrad)(learning_rate=0.1, weight_decay=0.5).init(
       {"t": jnp.asarray(TABLE0)}
     )
+
+
+def test_the_dense_gradient_error_of_a_rule_without_a_dense_twin_names_no_adam():
+  opt = osa.sparse_ftrl(0.1)
+  params = {"t": jnp.asarray(TABLE0)}
+  with pytest.raises(TypeError) as info:
+    opt.update({"t": jnp.zeros((ROWS, DIM))}, opt.init(params), params)
+  message = str(info.value)
+  assert "sparse_ftrl needs BCOO gradients" in message
+  assert "give it to a dense optax optimizer" in message
+  assert "give it to optax.adam" not in message
