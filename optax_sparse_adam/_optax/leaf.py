@@ -189,6 +189,13 @@ def masked_leaf_step(
   # update must have the gradient's entries, split as they are.
   update_specs = (PartitionSpec(), PartitionSpec())
   in_optax_apply_if_finite = _inside_optax_apply_if_finite()
+  if in_optax_apply_if_finite and sets:
+    raise ValueError(
+      f"the {rule.name!r} rule sets the rows of the parameter at {path_str(path)}, and "
+      "optax.apply_if_finite's rejecting branch is zeros like the gradient: stored as "
+      "rows, they would zero the touched rows. Use osa.sparse_apply_if_finite, whose "
+      "skipped step stores nothing."
+    )
   if in_optax_apply_if_finite:
     update_specs = (sharding.spec_of(grad.data), sharding.spec_of(grad.indices))
   if route is not None and in_optax_apply_if_finite:

@@ -321,3 +321,12 @@ def test_the_dense_gradient_error_of_a_rule_without_a_dense_twin_names_no_adam()
   assert "sparse_ftrl needs BCOO gradients" in message
   assert "give it to a dense optax optimizer" in message
   assert "give it to optax.adam" not in message
+
+
+def test_optax_apply_if_finite_around_a_rule_that_sets_rows_is_refused():
+  opt = optax.apply_if_finite(osa.sparse_ftrl(0.1), max_consecutive_errors=2)
+  params = {"t": jnp.asarray(TABLE0)}
+  ids, vals = BATCHES[0]
+  grad = sparse.BCOO((jnp.asarray(vals), jnp.asarray(ids)[:, None]), shape=(ROWS, DIM))
+  with pytest.raises(ValueError, match="Use osa.sparse_apply_if_finite"):
+    opt.update({"t": grad}, opt.init(params), params)
