@@ -326,6 +326,7 @@ def scatter_add_bcoo(param: jax.Array, update: sparse.BCOO, path: Sequence[Any] 
   """`param + update` for a BCOO update, by scatter-add: never densifies the update.
 
   Repeated indices add up; out-of-range indices are dropped (BCOO padding).
+  A `SetRowsUpdate` (a rule's new rows) is stored instead: `param[rows] = data`.
   The result has `param`'s sharding.
   """
   layout = bcoo.row_layout(update, param.shape, path, what="update")
