@@ -11,6 +11,8 @@ pytree structure, so a tree of such updates cannot be mistaken for deltas.
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 from jax.experimental.sparse import BCOO
 
@@ -21,8 +23,24 @@ class SetRowsUpdate(BCOO):
 
   `optax_sparse_adam.apply_updates` stores its entries (`param[rows] = data`),
   where it adds a plain BCOO's. Made by the optax transformation of a rule that
-  sets rows (`sparse_ftrl`); its data are in the parameter's dtype.
+  sets rows (`sparse_ftrl`); its data are in the parameter's dtype. Adding it
+  with `+` (as `optax.apply_updates` does) is refused: the sum would be
+  `w + w_new`, not `w_new`.
   """
+
+  def __add__(self, other: Any) -> Any:
+    raise TypeError(_ADDED)
+
+  def __radd__(self, other: Any) -> Any:
+    raise TypeError(_ADDED)
+
+
+_ADDED = (
+  "a SetRowsUpdate holds the parameter's new rows (a rule that sets rows, such as "
+  "sparse_ftrl), not deltas: adding it with '+' (optax.apply_updates, nnx.Optimizer) "
+  "would give w + w_new. Apply it with optax_sparse_adam.apply_updates, which stores "
+  "the rows (osa.SparseOptimizer in Flax NNX)."
+)
 
 
 def as_set_rows(update: BCOO) -> SetRowsUpdate:

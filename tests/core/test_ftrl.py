@@ -330,3 +330,14 @@ def test_optax_apply_if_finite_around_a_rule_that_sets_rows_is_refused():
   grad = sparse.BCOO((jnp.asarray(vals), jnp.asarray(ids)[:, None]), shape=(ROWS, DIM))
   with pytest.raises(ValueError, match="Use osa.sparse_apply_if_finite"):
     opt.update({"t": grad}, opt.init(params), params)
+
+
+def test_a_set_rows_update_added_with_plus_is_refused():
+  """optax.apply_updates adds with '+': rows added to rows would be a silent wrong result."""
+  opt = osa.sparse_ftrl(0.1)
+  params = {"t": jnp.asarray(TABLE0)}
+  ids, vals = BATCHES[0]
+  grad = sparse.BCOO((jnp.asarray(vals), jnp.asarray(ids)[:, None]), shape=(ROWS, DIM))
+  updates, _ = opt.update({"t": grad}, opt.init(params), params)
+  with pytest.raises(TypeError, match="Apply it with optax_sparse_adam.apply_updates"):
+    optax.apply_updates(params, updates)
