@@ -15,8 +15,9 @@ setup(
       sources=[
         "optax_sparse_adam/_backends/cpu/kernels.cc",
         "optax_sparse_adam/_backends/cpu/rule_kernels.cc",
+        "optax_sparse_adam/_backends/cpu/row_store.cc",
       ],
-      # Shared by both sources; listed so that the sdist carries it and edits rebuild.
+      # Shared by the sources; listed so that the sdist carries it and edits rebuild.
       depends=["optax_sparse_adam/_backends/cpu/ffi_common.h"],
       include_dirs=[jax.ffi.include_dir()],
       language="c++",

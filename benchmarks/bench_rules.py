@@ -1,4 +1,4 @@
-"""Step time of every rule (Adam, SGD, Adagrad, row-wise Adagrad) beside torch's, in one run.
+"""Step time of every rule (Adam, SGD, Adagrad, row-wise Adagrad, FTRL) beside torch's, in one run.
 
 Times one training-step update of an embedding table of V rows of D float32
 values from a gradient with B Zipf-drawn ids (popular rows repeat):
@@ -8,6 +8,11 @@ values from a gradient with B Zipf-drawn ids (popular rows repeat):
   ops), `sparse_adam(rowwise_second_moment=True)`, `sparse_sgd`, `sparse_adagrad`,
   `sparse_rowwise_adagrad` (with a recipe's options: lazy momentum; decoupled
   weight decay and `max_norm`), each with the CPU kernel and with the XLA ops;
+- `sparse_ftrl` and a rule defined here, outside the package (the architecture
+  page's row-wise Adagrad), which have no fused kernel: on the CPU their math
+  runs as XLA ops and their slots are stored by the generic row-store kernel;
+- `sparse_adam` and `sparse_ftrl` on bfloat16 and float16 tables (the gradient
+  in the table's dtype), beside the float32 table in the same run;
 - torch.optim.SGD, Adagrad and SparseAdam `.step()` on the same sparse gradients
   (if torch is installed).
 
@@ -23,7 +28,9 @@ Run from the repository root:
 """
 
 import argparse
+import dataclasses
 import time
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -32,6 +39,69 @@ from jax.experimental import sparse
 import optax_sparse_adam as osa
 from benchmarks import _common as c
 from benchmarks.bench_options import _Stepper, _summary, _times
+
+
+class _UserHyper(NamedTuple):
+  learning_rate: Any
+  eps: Any = 1e-8
+  weight_decay: Any = None
+
+
+@dataclasses.dataclass(frozen=True)
+class _UserRowwiseAdagrad:
+  """docs/architecture.md's rule, as a user writes it in their own file (no kernel)."""
+
+  name: str = dataclasses.field(default="bench_user_rowwise_adagrad", init=False)
+
+  def slots(self):
+    return (osa.Slot("sum", per_row=True),)
+
+  def update(self, block, hyper):
+    g = block.grad
+    total = block.slots["sum"] + jnp.mean(g * g, axis=1)
+    rate = hyper.learning_rate / (jnp.sqrt(total) + hyper.eps)
+    return -rate[:, None] * g, {"sum": total}
+
+
+# Rules with no fused kernel (timed with the kernels on, which store their rows, and off).
+NO_KERNEL = [
+  ("sparse_ftrl", osa.sparse_ftrl(1e-2)),
+  (
+    "sparse_ftrl l1, l2",
+    osa.sparse_ftrl(1e-2, l1_regularization_strength=1e-3, l2_regularization_strength=1e-3),
+  ),
+  (
+    "user rule (architecture page)",
+    osa.sparse_rule_transformation(_UserRowwiseAdagrad(), _UserHyper(1e-2)),
+  ),
+]
+# Steps on 16-bit tables, beside the float32 table (kernels on).
+TABLE_DTYPES = [
+  (
+    "sparse_adam f32 moments",
+    lambda: osa.sparse_adam(1e-3, mu_dtype="float32", nu_dtype="float32"),
+  ),
+  ("sparse_ftrl", lambda: osa.sparse_ftrl(1e-2)),
+]
+
+
+class _TableStepper(_Stepper):
+  """`_Stepper` over a table (and gradient) of another dtype."""
+
+  def __init__(self, opt, num_rows, grads, dtype, *, cpu_kernels=True):
+    cast = [
+      {
+        "table": sparse.BCOO(
+          (g["table"].data.astype(dtype), g["table"].indices), shape=g["table"].shape
+        )
+      }
+      for g in grads
+    ]
+    super().__init__(opt, num_rows, cast, cpu_kernels=cpu_kernels)
+    dim = grads[0]["table"].shape[1]
+    self.params = {"table": jnp.zeros((num_rows, dim), dtype)}
+    self.state = opt.init(self.params)
+
 
 # The new rules, each with the options a recipe sets (timed with the kernel and with the XLA ops).
 RULES = [
@@ -78,6 +148,8 @@ def time_rules(ids, values, num_rows, *, steps, rounds, use_torch=True):
   ]
   for name, opt in RULES:
     rows += [(f"{name} (CPU kernels)", opt, True), (f"{name} (XLA ops)", opt, False)]
+  for name, opt in NO_KERNEL:
+    rows += [(f"{name} (row store)", opt, True), (f"{name} (XLA ops)", opt, False)]
   default = _Stepper(osa.sparse_adam(1e-3), num_rows, grads)
   results = [("sparse_adam (CPU kernels)", [(1.0, 1.0)])]
   for name, opt, kernels in rows:
@@ -85,6 +157,12 @@ def time_rules(ids, values, num_rows, *, steps, rounds, use_torch=True):
     stepper = _Stepper(opt, num_rows, grads, cpu_kernels=kernels)
     results.append((name, _times(stepper, default, rounds=rounds, steps=steps)))
     del stepper
+  for name, make in TABLE_DTYPES:
+    for dtype in (jnp.float32, jnp.bfloat16, jnp.float16):
+      stepper = _TableStepper(make(), num_rows, grads, dtype)
+      label = f"{name}, {jnp.dtype(dtype).name} table"
+      results.append((label, _times(stepper, default, rounds=rounds, steps=steps)))
+      del stepper
   if use_torch and c.torch is not None:
     optim = c.torch.optim
     for name, make in (

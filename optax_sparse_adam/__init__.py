@@ -20,6 +20,8 @@ from optax_sparse_adam._core.row_rules.adagrad import AdagradHyperparams as Adag
 from optax_sparse_adam._core.row_rules.adagrad import AdagradRule as AdagradRule
 from optax_sparse_adam._core.row_rules.adam import AdamCoefficients as AdamCoefficients
 from optax_sparse_adam._core.row_rules.adam import LeafState as LeafState
+from optax_sparse_adam._core.row_rules.ftrl import FtrlHyperparams as FtrlHyperparams
+from optax_sparse_adam._core.row_rules.ftrl import FtrlRule as FtrlRule
 from optax_sparse_adam._core.row_rules.rowwise_adagrad import (
   RowwiseAdagradHyperparams as RowwiseAdagradHyperparams,
 )
@@ -36,6 +38,7 @@ from optax_sparse_adam._core.rules import IdleBlock as IdleBlock
 from optax_sparse_adam._core.rules import RowBlock as RowBlock
 from optax_sparse_adam._core.rules import RowRule as RowRule
 from optax_sparse_adam._core.rules import Slot as Slot
+from optax_sparse_adam._core.set_rows import SetRowsUpdate as SetRowsUpdate
 from optax_sparse_adam._core.sharded.lookup import sharded_lookup as sharded_lookup
 from optax_sparse_adam._core.sharded.overflow import (
   RoutingOverflowWarning as RoutingOverflowWarning,
@@ -62,6 +65,7 @@ from optax_sparse_adam._optax.multi_steps import RowBuffer as RowBuffer
 from optax_sparse_adam._optax.multi_steps import SparseMultiStepsState as SparseMultiStepsState
 from optax_sparse_adam._optax.multi_steps import sparse_multi_steps as sparse_multi_steps
 from optax_sparse_adam._optax.optimizers import sparse_adagrad as sparse_adagrad
+from optax_sparse_adam._optax.optimizers import sparse_ftrl as sparse_ftrl
 from optax_sparse_adam._optax.optimizers import sparse_rowwise_adagrad as sparse_rowwise_adagrad
 from optax_sparse_adam._optax.optimizers import sparse_sgd as sparse_sgd
 from optax_sparse_adam._optax.param_ema import ParamEMAState as ParamEMAState
@@ -84,6 +88,8 @@ __all__ = (
   "CatchUp",
   "CaughtUp",
   "DensifyingUpdateWarning",
+  "FtrlHyperparams",
+  "FtrlRule",
   "HugePageAdvice",
   "IdleBlock",
   "LeafState",
@@ -104,6 +110,7 @@ __all__ = (
   "SparseAdamState",
   "SparseMultiStepsState",
   "SparseRuleState",
+  "SetRowsUpdate",
   "advise_huge_pages",
   "apply_rows_delta",
   "apply_updates",
@@ -129,6 +136,7 @@ __all__ = (
   "sparse_adam_leaf_step",
   "sparse_adamw",
   "sparse_apply_if_finite",
+  "sparse_ftrl",
   "sparse_grad_checks",
   "sparse_multi_steps",
   "sparse_param_ema",

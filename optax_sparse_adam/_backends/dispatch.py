@@ -12,15 +12,18 @@ same results: on the CPU all three agree bit for bit (tests/backends), but for
 the catch-up of idle rows, where the kernel agrees to float32 rounding.
 """
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax import lax
 
 from optax_sparse_adam._backends import accelerator, choice, xla
 from optax_sparse_adam._backends.cpu import kernels
 from optax_sparse_adam._backends.protocol import StepBackend
+from optax_sparse_adam._core import coalesce
 from optax_sparse_adam._core.bcoo import RowLayout
 from optax_sparse_adam._core.rules import RowsStep, StepInputs, StepPlan
 
@@ -44,14 +47,37 @@ def masked_step(inputs: StepInputs, plan: StepPlan) -> RowsStep:
     return call
 
   generic = bound(xla.masked_step)
-  fused = kernels.step_applies(inputs, plan)
-  on_cpu = bound(kernels.masked_step) if fused else generic
+  on_cpu = generic
+  if kernels.step_applies(inputs, plan):  # the rule's fused kernel
+    on_cpu = bound(kernels.masked_step)
+  elif all(
+    kernels.store_applies(table, nse=inputs.rows.shape[0], num_rows=plan.layout.num_rows)
+    for table in inputs.tables.slots.values()
+  ):
+    # Any rule: its math in XLA ops, its slots' rows stored in place by the generic kernel.
+    on_cpu = bound(
+      functools.partial(
+        xla.masked_step,
+        coalescer=coalesce.coalesce_and_gather_rows_unmarked,
+        store_rows=_kernel_store(plan.layout),
+      )
+    )
   return _by_backend(
     (inputs._replace(hyper=None), [leaves[i] for i in traced]),
     cpu=on_cpu,
     accelerator=bound(accelerator.masked_step),
     generic=generic,
   )
+
+
+def _kernel_store(layout: RowLayout) -> xla.RowStore:
+  """The CPU's in-place row store (`kernels.store_rows`) for tables of `layout`'s rows."""
+
+  def store(table: jax.Array, rows: jax.Array, values: jax.Array) -> jax.Array:
+    # The rows are distinct but for padding, which is out of range and dropped.
+    return kernels.store_rows(table, rows, values, num_rows=layout.num_rows, rows_unique=True)
+
+  return store
 
 
 def scatter_add(
@@ -71,7 +97,23 @@ def scatter_add(
     )
 
   on_cpu = generic
-  if kernels.scatter_add_applies(param, values, layout=layout):
+  if param.dtype == jnp.bfloat16 and kernels.store_applies(
+    param, nse=rows.shape[0], num_rows=layout.num_rows
+  ):
+
+    def on_cpu(param, rows, values):
+      # XLA's sums, rounded once, stored in place: no bfloat16 table copy.
+      return xla.scatter_add(
+        param,
+        rows,
+        values,
+        layout=layout,
+        rows_unique=rows_unique,
+        rows_sorted=rows_sorted,
+        store_rows=_kernel_store(layout),
+      )
+
+  elif kernels.scatter_add_applies(param, values, layout=layout):
 
     def on_cpu(param, rows, values):
       # The kernel takes the parameter in its own shape: a reshaped operand that
@@ -95,6 +137,45 @@ def scatter_add(
     )
 
   return _by_backend((param, rows, values), cpu=on_cpu, accelerator=on_accelerator, generic=generic)
+
+
+def store_rows(
+  param: jax.Array,
+  rows: jax.Array,
+  values: jax.Array,
+  *,
+  layout: RowLayout,
+  rows_unique: bool,
+  rows_sorted: bool,
+) -> jax.Array:
+  """`param[rows] = values` (a rule's set rows) on the backend it is lowered for; no padding."""
+
+  def through(bits: bool) -> Callable[..., jax.Array]:
+    def store(param, rows, values):
+      return xla.store_rows(
+        param,
+        rows,
+        values,
+        layout=layout,
+        rows_unique=rows_unique,
+        rows_sorted=rows_sorted,
+        through_bits=bits,
+      )
+
+    return store
+
+  # XLA:CPU has no 16-bit float scatter: the bits are stored there and elsewhere.
+  generic = through(True)
+  on_cpu = generic
+  if kernels.store_applies(param, nse=rows.shape[0], num_rows=layout.num_rows):
+
+    def on_cpu(param, rows, values):
+      # The same bits, stored in place by the generic kernel (no 16-bit table copy).
+      return kernels.store_rows(
+        param, rows, values, num_rows=layout.num_rows, rows_unique=rows_unique
+      )
+
+  return _by_backend((param, rows, values), cpu=on_cpu, accelerator=through(False), generic=generic)
 
 
 _ACCELERATOR_PLATFORMS = ("cuda", "rocm", "tpu")

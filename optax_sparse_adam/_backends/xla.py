@@ -6,6 +6,9 @@ slots gathered, the rule applied (`rules.RowRule.update`), and the new rows
 scattered back in place.
 """
 
+from collections.abc import Callable
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -21,7 +24,12 @@ from optax_sparse_adam._core.rules import (
   StepPlan,
   Tables,
   catch_up_of,
+  reads_param,
+  sets_rows,
 )
+
+# Stores rows into a table in its own shape: `(table, rows, values) -> table`.
+RowStore = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
 
 
 def masked_step(
@@ -30,6 +38,7 @@ def masked_step(
   *,
   coalescer: coalesce.Coalescer | None = None,
   through_bits: bool = True,
+  store_rows: RowStore | None = None,
 ) -> RowsStep:
   """One parameter's masked step in XLA ops (a `protocol.StepBackend`).
 
@@ -41,6 +50,9 @@ def masked_step(
     through_bits: whether bfloat16 (and 8-bit float) tables are stored through
       their bits (`bcoo.set_rows`): XLA:CPU converts the whole table to float32
       and back around a bfloat16 scatter.
+    store_rows: how the slots' new rows are stored, `store_rows(table, rows,
+      values) -> table` (the table in its own shape; a set of the same bits as
+      `bcoo.scatter_rows`, e.g. the CPU's in-place kernel), or None: XLA's scatter.
 
   Returns:
     The `RowsStep`: distinct rows, their deltas, the new tables.
@@ -71,7 +83,8 @@ def masked_step(
   if config.maximize:
     g = -g
   param_rows = None
-  if config.weight_decay != "none" or config.max_norm is not None:
+  reads, sets = reads_param(rule), sets_rows(rule)
+  if config.weight_decay != "none" or config.max_norm is not None or reads or sets:
     assert tables.param is not None  # the optax layer checks it
     param_rows = bcoo.gather_rows(bcoo.as_rows(tables.param, layout), rows).astype(compute_dtype)
     if config.weight_decay == "l2":
@@ -93,6 +106,7 @@ def masked_step(
   slot_rows = {slot.name: old for slot, old in zip(slots, old_rows, strict=True)}
   last_step = tables.last_step
   shift = None
+  shifted_param = False  # whether param_rows holds the idle steps' shift
   if last_step is not None:
     # Catch-up: the rows' idle steps first, as the rule's dense form would have taken them.
     assert inputs.step is not None  # the optax layer gives a step with catch-up
@@ -109,6 +123,7 @@ def masked_step(
       assert param_rows is not None
       shift = shift + caught.decay_minus_one * param_rows
       param_rows = param_rows + shift
+      shifted_param = True
     # The step, as a function of the gathered rows (each row's last step is below
     # it): the scatter then follows the gather, and XLA updates the table in place
     # instead of copying it.
@@ -125,34 +140,82 @@ def masked_step(
     row_offset=inputs.row_offset,
   )
 
+  # A rule that reads the parameter sees its rows as the idle steps left them.
+  read_rows = None
+  if reads:
+    assert param_rows is not None
+    read_rows = param_rows if shift is None or shifted_param else param_rows + shift
   delta, new_rows = rule.update(
-    RowBlock(g, slot_rows, step, compute_dtype, inputs.opaque_zero, store), inputs.hyper
+    RowBlock(g, slot_rows, step, compute_dtype, inputs.opaque_zero, store, read_rows),
+    inputs.hyper,
   )
+  check_slot_rows(rule, new_rows)
+  decoupled = None
   if config.weight_decay == "decoupled":
     assert param_rows is not None
     lr_wd = jnp.asarray(inputs.hyper.learning_rate, compute_dtype) * jnp.asarray(
       inputs.hyper.weight_decay, compute_dtype
     )
-    delta = delta - rounded(lr_wd * param_rows, inputs.opaque_zero)
-  if shift is not None:
-    delta = delta + shift
-  if config.max_norm is not None:
-    assert param_rows is not None
-    delta = _renormalised(param_rows, delta, config.max_norm, inputs.opaque_zero)
+    decoupled = rounded(lr_wd * param_rows, inputs.opaque_zero)
   valid = rows < layout.num_rows
-  delta = jnp.where(
-    valid.reshape(valid.shape + (1,) * len(layout.dense_shape)),
-    delta,
-    jnp.zeros((), delta.dtype),
-  ).astype(inputs.values.dtype)
+  valid = valid.reshape(valid.shape + (1,) * len(layout.dense_shape))
+  if sets:
+    # The rule gave the rows' new values (which the idle steps' shift is in): the
+    # options act on them, and they are rounded once, to the parameter's dtype.
+    assert tables.param is not None
+    new = delta.astype(compute_dtype)
+    if decoupled is not None:
+      new = new - decoupled
+    if config.max_norm is not None:
+      new = _renormalised_rows(new, config.max_norm, inputs.opaque_zero)
+    delta = jnp.where(valid, new, jnp.zeros((), new.dtype)).astype(tables.param.dtype)
+  else:
+    if decoupled is not None:
+      delta = delta - decoupled
+    if shift is not None:
+      delta = delta + shift
+    if config.max_norm is not None:
+      assert param_rows is not None
+      delta = _renormalised(param_rows, delta, config.max_norm, inputs.opaque_zero)
+    delta = jnp.where(valid, delta, jnp.zeros((), delta.dtype)).astype(inputs.values.dtype)
+
+  def stored(slot_name: str, table: jax.Array) -> jax.Array:
+    shape = tables.slots[slot_name].shape
+    if store_rows is not None:
+      return store_rows(table.reshape(shape), rows, new_rows[slot_name])
+    return bcoo.scatter_rows(table, rows, new_rows[slot_name], through_bits=through_bits).reshape(
+      shape
+    )
 
   new_slots = {
-    slot.name: bcoo.scatter_rows(
-      table, rows, new_rows[slot.name], through_bits=through_bits
-    ).reshape(tables.slots[slot.name].shape)
-    for slot, table in zip(slots, slot_tables, strict=True)
+    slot.name: stored(slot.name, table) for slot, table in zip(slots, slot_tables, strict=True)
   }
   return RowsStep(rows, delta, Tables(new_slots, row_step, last_step=last_step))
+
+
+def check_slot_rows(rule: Any, new_rows: Any) -> None:
+  """Refuses, when the step is traced, a rule's update that does not return its slots' rows."""
+  declared = [slot.name for slot in rule.slots()]
+  given = list(new_rows) if isinstance(new_rows, dict) else None
+  if given is None or set(given) != set(declared):
+    extra = sorted(set(given or ()) - set(declared))
+    missing = sorted(set(declared) - set(given or ()))
+    raise ValueError(
+      f"the {rule.name!r} rule's update returned new rows for slots {given}, but the rule "
+      f"declares {declared} (slots()): "
+      + (f"{extra} not declared; " if extra else "")
+      + (f"{missing} missing; " if missing else "")
+      + "return a dict with exactly one entry per declared slot."
+    )
+
+
+def _renormalised_rows(new: jax.Array, max_norm: float, opaque_zero: jax.Array | None) -> jax.Array:
+  """`new` with each row whose L2 norm exceeds `max_norm` scaled to it (`_renormalised`'s order)."""
+  n = new.shape[0]
+  squares = rounded(new * new, opaque_zero).reshape(n, -1)
+  norm = jnp.sqrt(pairwise_row_sum(squares)).reshape((n,) + (1,) * (new.ndim - 1))
+  scale = jnp.where(norm > max_norm, jnp.asarray(max_norm, new.dtype) / norm, 1)
+  return jnp.where(norm > max_norm, rounded(new * scale, opaque_zero), new)
 
 
 def _renormalised(
@@ -188,6 +251,7 @@ def scatter_add(
   rows_unique: bool,
   rows_sorted: bool,
   through_bits: bool = True,
+  store_rows: RowStore | None = None,
 ) -> jax.Array:
   """`param[rows] += values` in XLA ops; out-of-range (padding) rows are dropped.
 
@@ -198,7 +262,9 @@ def scatter_add(
   through `bcoo.set_rows`. That is XLA:CPU's arithmetic bit for bit; it is
   also the correctly rounded sum `param + value` of a row with one entry
   (float32 has more than twice bfloat16's significand bits plus two, so
-  rounding twice is rounding once).
+  rounding twice is rounding once). `store_rows(param, rows, sums)` (the
+  parameter in its own shape), where given, stores those rows instead of
+  `bcoo.set_rows`: the same bits (the CPU's in-place kernel).
   """
   param_rows = bcoo.as_rows(param, layout)
   values = values.astype(param_rows.dtype)
@@ -227,7 +293,40 @@ def scatter_add(
       .at[slot]
       .add(values.astype(wide), mode="drop")
     )
+  if store_rows is not None:
+    return store_rows(param, distinct, sums)
   stored = bcoo.set_rows(
     param_rows, distinct, sums, mode="drop", unique_indices=True, indices_are_sorted=rows_sorted
   )
+  return stored.reshape(param.shape)
+
+
+def store_rows(
+  param: jax.Array,
+  rows: jax.Array,
+  values: jax.Array,
+  *,
+  layout: bcoo.RowLayout,
+  rows_unique: bool,
+  rows_sorted: bool,
+  through_bits: bool = True,
+) -> jax.Array:
+  """`param[rows] = values` in XLA ops (a rule's set rows); out-of-range (padding) rows dropped.
+
+  `values` are cast to `param`'s dtype (a set rows update holds them in it: the
+  cast is exact). With `through_bits`, a bfloat16 or 8-bit float table is
+  written through its bits (`bcoo.set_rows`), a set of the same bits.
+  """
+  if rows.shape[0] == 0:  # an update with no entries (shapes are static)
+    return param
+  param_rows = bcoo.as_rows(param, layout)
+  flags: dict[str, Any] = {
+    "mode": "drop",
+    "unique_indices": rows_unique,
+    "indices_are_sorted": rows_sorted,
+  }
+  if through_bits:
+    stored = bcoo.set_rows(param_rows, rows, values, **flags)
+  else:
+    stored = param_rows.at[rows].set(values.astype(param_rows.dtype), **flags)
   return stored.reshape(param.shape)

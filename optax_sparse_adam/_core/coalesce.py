@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from optax_sparse_adam._core.bcoo import CoalescedRows, gather_rows, set_rows
+from optax_sparse_adam._core.bcoo import CoalescedRows, bits_dtype, gather_rows, set_rows
 
 # The coalesced gradient, each table's old rows at its rows, and the tables (one
 # of them possibly holding scratch in the touched rows).
@@ -97,11 +97,15 @@ def segments_by_search(rows: jax.Array, sorted_rows: SortedRows, num_rows: int) 
 def can_mark(table_rows: jax.Array, nse: int) -> bool:
   """Whether `segments_by_marking` can use `table_rows` as scratch.
 
-  Its dtype must hold every slot number `0..nse` exactly, and its rows must not
-  be empty.
+  Its dtype must hold every slot number `0..nse` exactly and be one XLA scatters
+  natively (not bfloat16 or an 8-bit float: their scatter goes through the bits,
+  which XLA:CPU does around two copies of the table), and its rows must not be
+  empty.
   """
   dtype = table_rows.dtype
   if not jnp.issubdtype(dtype, jnp.floating) or table_rows.ndim == 0:
+    return False
+  if bits_dtype(dtype) is not None:
     return False
   row_size = math.prod(table_rows.shape[1:])
   return row_size > 0 and table_rows.shape[0] > 0 and nse <= 2 ** (jnp.finfo(dtype).nmant + 1)
@@ -182,8 +186,25 @@ def coalesce_rows(rows: jax.Array, values: jax.Array, num_rows: int) -> Coalesce
   return coalesced
 
 
-def coalesce_and_gather_rows(
+def coalesce_and_gather_rows_unmarked(
   rows: jax.Array, values: jax.Array, num_rows: int, tables: Sequence[jax.Array | None]
+) -> Coalesced:
+  """`coalesce_and_gather_rows` with no table used as scratch (`segments_by_search`).
+
+  For a step whose tables are stored by something other than XLA's scatter (the
+  CPU's in-place row store): a scratch scatter there would be one more write of
+  the table, and XLA copies a table that a scatter and a custom call both update.
+  """
+  return coalesce_and_gather_rows(rows, values, num_rows, tables, mark=False)
+
+
+def coalesce_and_gather_rows(
+  rows: jax.Array,
+  values: jax.Array,
+  num_rows: int,
+  tables: Sequence[jax.Array | None],
+  *,
+  mark: bool = True,
 ) -> Coalesced:
   """`coalesce_rows`, plus the rows of `tables` at the distinct rows, the fast way.
 
@@ -222,6 +243,8 @@ def coalesce_and_gather_rows(
     (k for k, t in enumerate(tables) if isinstance(t, jax.core.Tracer) and can_mark(t, nse)),
     None,
   )
+  if not mark:
+    scratch = None
   if scratch is None:
     segment = segments_by_search(rows, sorted_rows, num_rows)
   else:

@@ -1,4 +1,9 @@
-"""The checks of Adam's hyper-parameters, in torch's order and wording, for every front end."""
+"""The checks of the rules' hyper-parameters and slot dtypes, shared by every front end.
+
+Ranges are checked in torch's order and wording where torch has the option
+(`check_hyperparams` is torch's Adam constructor's; `check_nonnegative` any
+rule's non-negative values); each rule's factory adds its own.
+"""
 
 from typing import Any
 

@@ -59,7 +59,7 @@ class _RowUpdateType(type(sparse.BCOO)):  # type: ignore[misc]
 
   def __repr__(cls) -> str:
     return (
-      "<class 'optax_sparse_adam.RowUpdate'> (a sparse optimizer's update of some rows: "
+      f"<class 'optax_sparse_adam.{cls.__name__}'> (a sparse optimizer's update of some rows: "
       "optax transforms that pair updates with params or keep state per leaf cannot "
       f"follow the optimizer on it. {_ROUTE}.)"
     )

@@ -67,6 +67,15 @@ class RowRule(Protocol):
   A rule may also declare how its dense form moves the rows a step does not
   touch: `catch_up(config: StepConfig) -> CatchUp` (`STILL`, a closed form of
   the idle steps, or why there is none). Without it, catch-up is refused.
+
+  Two optional class attributes (read by `reads_param` and `sets_rows`; False
+  where absent) let a rule see and replace the parameter's rows:
+
+  - `reads_param = True`: `RowBlock.param` holds the parameter's old rows (the
+    step then needs `params` in `update`, as for weight decay);
+  - `sets_rows = True`: `update` returns the rows' new values instead of their
+    deltas, and `apply_updates` stores them as they are (`SetRowsUpdate`):
+    `w_new`, not `w + (w_new - w)`, so an exact zero stays zero (FTRL's L1).
   """
 
   @property
@@ -83,7 +92,8 @@ class RowRule(Protocol):
 
     Returns:
       `(delta, new_slot_rows)`: the signed parameter update of each row (before
-      decoupled weight decay) and every slot's new rows, in the slot's dtype.
+      decoupled weight decay; with `sets_rows`, the rows' new values instead)
+      and every slot's new rows, in the slot's dtype.
       Every slot must be returned: the pipeline may have used a slot table as
       scratch in the touched rows (`coalesce.segments_by_marking`).
     """
@@ -157,6 +167,16 @@ def still_without_weight_decay(config: StepConfig) -> CatchUp:
   )
 
 
+def reads_param(rule: Any) -> bool:
+  """Whether the rule reads the parameter's old rows (`RowBlock.param`; `RowRule`)."""
+  return bool(getattr(rule, "reads_param", False))
+
+
+def sets_rows(rule: Any) -> bool:
+  """Whether the rule's `update` returns the rows' new values instead of deltas (`RowRule`)."""
+  return bool(getattr(rule, "sets_rows", False))
+
+
 def catch_up_of(rule: Any, config: StepConfig) -> CatchUp:
   """The rule's `catch_up(config)` hook; refused for a rule that declares none."""
   hook = getattr(rule, "catch_up", None)
@@ -186,6 +206,9 @@ class RowBlock(NamedTuple):
       the slot's dtype, as the step's `StepConfig.moment_rounding` asks; a rule
       computes with the stored values, as they will be read back. None:
       `astype` (round to nearest).
+    param: the parameter's old rows `(n, *dense_shape)` in `compute_dtype`
+      (after the idle steps' shift, with catch-up), for a rule that declares
+      `reads_param`; else None.
   """
 
   grad: jax.Array
@@ -194,6 +217,7 @@ class RowBlock(NamedTuple):
   compute_dtype: Any
   opaque_zero: jax.Array | None = None
   store: SlotStore | None = None
+  param: jax.Array | None = None
 
 
 class StepConfig(NamedTuple):
@@ -276,7 +300,8 @@ class RowsStep(NamedTuple):
     rows: int32 `(nse,)` distinct rows, ascending, then padding slots
       (`bcoo.CoalescedRows`).
     delta: the signed parameter update of each slot, in the gradient's dtype;
-      zero in padding slots.
+      zero in padding slots. For a rule that `sets_rows`: the rows' new values,
+      in the parameter's dtype (stored as they are by the apply).
     tables: the new `Tables` (without `param`).
   """
 

@@ -18,8 +18,10 @@ def apply_updates(params: optax.Params, updates: optax.Updates) -> optax.Params:
   """Applies updates to params: BCOO leaves by scatter-add, dense leaves as `optax.apply_updates`.
 
   A BCOO update is never densified: only its rows of the parameter are read and
-  written. Inside `jax.jit` with the params donated this runs in place, in time
-  proportional to the update's entries. A None update leaves its parameter as is.
+  written. A `SetRowsUpdate` (the update of a rule that sets rows, `sparse_ftrl`)
+  holds the rows' new values: they are stored, not added. Inside `jax.jit` with
+  the params donated this runs in place, in time proportional to the update's
+  entries. A None update leaves its parameter as is.
 
   Args:
     params: a tree of parameters.

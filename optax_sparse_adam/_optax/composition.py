@@ -35,6 +35,7 @@ from optax_sparse_adam._core.errors import (
   leaves_up_to,
   path_str,
 )
+from optax_sparse_adam._core.set_rows import SetRowsUpdate
 from optax_sparse_adam._core.sharded import sharding
 
 
@@ -89,6 +90,13 @@ def _lift(updates: Any, params: Any, who: str) -> _Lifted:
       values.append(grad)
       lifted_params.append(param)
       continue
+    if isinstance(grad, SetRowsUpdate):
+      raise TypeError(
+        f"{who}: the update at {path_str(path)} is a SetRowsUpdate, the new rows of a rule "
+        "that sets rows (sparse_ftrl, say), not deltas: a transform after it would "
+        "transform the parameter's rows themselves. Give a schedule to the optimizer "
+        "(learning_rate=schedule), or lift the transform before the optimizer."
+      )
     layout = checked_row_layout(grad, _param_shape(grad, param), path, who)
     indices = row_update.checked_indices(grad, path, what="update")
     coalesced = coalesce.coalesce_rows(
@@ -240,9 +248,9 @@ def empty_updates_like(shapes: Any) -> Any:
       nse, n_sparse = s.indices.shape[-2:]
       leading = s.shape[s.n_batch] + jnp.arange(nse, dtype=s.indices.dtype)
       indices = jnp.zeros(s.indices.shape, s.indices.dtype).at[..., 0].set(leading)
-      # A RowUpdate stays one, its check made for the padding ids.
-      empty_type = row_update.RowUpdate if isinstance(s, row_update.RowUpdate) else sparse.BCOO
-      return empty_type(
+      # Its own type: a RowUpdate stays one (its check made for the padding ids), and a
+      # rule's set rows (`SetRowsUpdate`) stay set rows, all dropped.
+      return type(s)(
         (
           _typed_like(jnp.zeros(s.data.shape, s.data.dtype), s.data),
           _typed_like(indices, s.indices),

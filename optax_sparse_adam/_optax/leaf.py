@@ -36,7 +36,10 @@ from optax_sparse_adam._core.rules import (
   StepPlan,
   Tables,
   WeightDecay,
+  reads_param,
+  sets_rows,
 )
+from optax_sparse_adam._core.set_rows import SetRowsUpdate, as_set_rows
 from optax_sparse_adam._core.sharded import auto_partition, routed, sharding
 
 
@@ -176,7 +179,8 @@ def masked_leaf_step(
     jnp.float32, grad.dtype, *(table.dtype for table in tables.slots.values())
   )
   plan = StepPlan(layout, rule, config._replace(compute_dtype=jnp.dtype(compute_dtype)))
-  if config.weight_decay == "none" and config.max_norm is None:
+  sets = sets_rows(rule)
+  if config.weight_decay == "none" and config.max_norm is None and not uses_param(rule):
     tables = tables._replace(param=None)
   new_step = None if step is None else optax.safe_increment(step)
   indices_sorted, unique_indices = update_flags
@@ -186,6 +190,13 @@ def masked_leaf_step(
   # update must have the gradient's entries, split as they are.
   update_specs = (PartitionSpec(), PartitionSpec())
   in_optax_apply_if_finite = _inside_optax_apply_if_finite()
+  if in_optax_apply_if_finite and sets:
+    raise ValueError(
+      f"the {rule.name!r} rule sets the rows of the parameter at {path_str(path)}, and "
+      "optax.apply_if_finite's rejecting branch is zeros like the gradient: stored as "
+      "rows, they would zero the touched rows. Use osa.sparse_apply_if_finite, whose "
+      "skipped step stores nothing."
+    )
   if in_optax_apply_if_finite:
     update_specs = (sharding.spec_of(grad.data), sharding.spec_of(grad.indices))
   if route is not None and in_optax_apply_if_finite:
@@ -218,7 +229,8 @@ def masked_leaf_step(
     update = bcoo.rows_to_bcoo(
       coalesced, layout, indices_sorted=False, unique_indices=unique_indices
     )
-    return LeafStep(row_update.seal(update), new_step, result.tables)
+    update = as_set_rows(update) if sets else row_update.seal(update)
+    return LeafStep(update, new_step, result.tables)
   routed.check_placement(None, list(tables.slots.values()), "step")
 
   def run(grad_data, grad_indices, tables, new_step, hyper, opaque_zero):
@@ -260,7 +272,12 @@ def masked_leaf_step(
     indices_sorted=indices_sorted,
     unique_indices=unique_indices,
   )
-  return LeafStep(update, new_step, new_tables)
+  return LeafStep(as_set_rows(update) if sets else update, new_step, new_tables)
+
+
+def uses_param(rule: RowRule) -> bool:
+  """Whether the rule's step reads the parameter's rows (it reads them, or sets them)."""
+  return reads_param(rule) or sets_rows(rule)
 
 
 class DenseLeafStep(NamedTuple):
@@ -364,6 +381,7 @@ def _check_tables(
   for needed, what in (
     (config.weight_decay != "none", "weight decay"),
     (config.max_norm is not None, "max_norm"),
+    (uses_param(rule), f"the {rule.name!r} rule, which reads its rows"),
   ):
     if needed and tables.param is None:
       raise ValueError(
@@ -396,25 +414,27 @@ def scatter_add_bcoo(param: jax.Array, update: sparse.BCOO, path: Sequence[Any] 
   """`param + update` for a BCOO update, by scatter-add: never densifies the update.
 
   Repeated indices add up; out-of-range indices are dropped (BCOO padding).
+  A `SetRowsUpdate` (a rule's new rows) is stored instead: `param[rows] = data`.
   The result has `param`'s sharding.
   """
   layout = bcoo.row_layout(update, param.shape, path, what="update")
+  # A rule that sets rows gave their new values: they are stored, not added (chosen
+  # before the ids are verified, which gives a plain BCOO).
+  local = dispatch.store_rows if isinstance(update, SetRowsUpdate) else dispatch.scatter_add
   update = row_update.verified(update, path, what="update")
   route = routed.plan_apply(param, update)
   if route is not None:  # row-split: each device adds the rows it owns
-    return routed.scatter_add(
-      param, update, layout=layout, plan=route, local_scatter_add=dispatch.scatter_add
-    )
+    return routed.scatter_add(param, update, layout=layout, plan=route, local_scatter_add=local)
   auto = auto_partition.plan_apply(param, update)
   if auto is not None:  # Auto axes: routed where the partitioner splits param by rows
     return auto_partition.scatter_add(
-      param, update, layout=layout, plan=auto, local_scatter_add=dispatch.scatter_add
+      param, update, layout=layout, plan=auto, local_scatter_add=local
     )
   routed.check_placement(None, [param], "apply")
 
   def scatter_add(param, update):
     rows = bcoo.linear_rows(update.indices, layout)
-    return dispatch.scatter_add(
+    return local(
       param,
       rows,
       update.data,

@@ -15,6 +15,7 @@ import optax
 from optax_sparse_adam._core.errors import is_python_number
 from optax_sparse_adam._core.hyperparams import check_nonnegative, known_number
 from optax_sparse_adam._core.row_rules.adagrad import AdagradHyperparams, AdagradRule
+from optax_sparse_adam._core.row_rules.ftrl import FtrlHyperparams, FtrlRule
 from optax_sparse_adam._core.row_rules.rowwise_adagrad import (
   RowwiseAdagradHyperparams,
   RowwiseAdagradRule,
@@ -290,9 +291,11 @@ def sparse_rowwise_adagrad(
     learning_rate: :math:`\alpha`, a float or an `optax.Schedule`.
     eps: added to :math:`\sqrt{s}` (outside the root, as FBGEMM).
     weight_decay: :math:`\lambda`, read as `weight_decay_mode` says.
-    weight_decay_mode: "none"; "l2" (FBGEMM's L2 mode: :math:`g \mathrel{+}=
-      \lambda \theta` before the row mean); or "decoupled" (FBGEMM's DECOUPLE:
-      :math:`\theta_r \mathrel{-}= \alpha \lambda \theta_r`). Touched rows only.
+    weight_decay_mode: "none" (FBGEMM's default NONE; a nonzero `weight_decay`
+      is then refused, not ignored: name the mode you mean); "l2" (FBGEMM's L2
+      mode: :math:`g \mathrel{+}= \lambda \theta` before the row mean); or
+      "decoupled" (FBGEMM's DECOUPLE: :math:`\theta_r \mathrel{-}= \alpha
+      \lambda \theta_r`). Touched rows only.
     max_norm: after the step, scale each touched row whose L2 norm exceeds it
       back to it (FBGEMM's `max_norm`); None: off. Needs `params` in `update`.
     maximize: ascend the objective instead of descending it.
@@ -339,4 +342,104 @@ def sparse_rowwise_adagrad(
     catch_up_idle_rows=catch_up_idle_rows,  # the rule refuses it under weight decay
     track_changed_rows=track_changed_rows,
     name="sparse_rowwise_adagrad",
+  )
+
+
+def sparse_ftrl(
+  learning_rate: ScalarOrSchedule = 1e-3,
+  learning_rate_power: float = -0.5,
+  initial_accumulator_value: float = 0.1,
+  l1_regularization_strength: float = 0.0,
+  l2_regularization_strength: float = 0.0,
+  l2_shrinkage_regularization_strength: float = 0.0,
+  beta: float = 0.0,
+  *,
+  maximize: bool = False,
+) -> optax.GradientTransformationExtraArgs:
+  r"""FTRL-Proximal (`keras.optimizers.Ftrl`) for BCOO gradients: lazy, as TF's sparse step.
+
+  With :math:`g` the gradient after summing duplicate indices, :math:`r` its
+  rows, :math:`w` the parameter, :math:`p = -`learning_rate_power and
+  :math:`\lambda_2' = \lambda_2 + \beta / (2\alpha)`, on the touched rows
+
+  .. math::
+    g' &= g_r + 2 \lambda_s w_r, \quad n' = n_r + g_r^2 \\
+    z_r &\leftarrow z_r + g' - \frac{n'^p - n_r^p}{\alpha} w_r, \quad n_r \leftarrow n' \\
+    w_r &\leftarrow \begin{cases} \frac{\mathrm{sign}(z_r) \lambda_1 - z_r}
+      {n'^p / \alpha + 2 \lambda_2'} & |z_r| > \lambda_1 \\ 0 & \text{otherwise}
+      \end{cases}
+
+  (TF's `SparseApplyFtrlV2`) and nothing else changes. The update holds the
+  rows' new values (a `SetRowsUpdate`), which `apply_updates` stores as they
+  are: L1's zeros are exact zeros. Chain no transformation after it that
+  changes its values (they are rows, not deltas).
+
+  Args:
+    learning_rate: :math:`\alpha`, a float or an `optax.Schedule`.
+    learning_rate_power: :math:`-p`, at most 0 (-0.5: the square root).
+    initial_accumulator_value: where :math:`n` starts, at least 0.
+    l1_regularization_strength: :math:`\lambda_1`, at least 0.
+    l2_regularization_strength: :math:`\lambda_2`, at least 0.
+    l2_shrinkage_regularization_strength: :math:`\lambda_s`, at least 0: an L2
+      penalty on the gradient only (the accumulator sees :math:`g`).
+    beta: :math:`\beta`, added as :math:`\beta / (2\alpha)` to :math:`\lambda_2`.
+    maximize: ascend the objective instead of descending it.
+
+  Returns:
+    An `optax.GradientTransformationExtraArgs` whose state is a `SparseRuleState`
+    with two slots of the parameter's shape, `accumulator` and `linear`. Its
+    `update` needs `params`.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from jax.experimental import sparse
+    >>> import optax_sparse_adam as osa
+    >>> opt = osa.sparse_ftrl(0.5, l1_regularization_strength=1.0)
+    >>> params = {"table": jnp.ones((4, 2))}
+    >>> grad = sparse.BCOO((jnp.array([[0.5, 3.0]]), jnp.array([[1]])), shape=(4, 2))
+    >>> updates, state = opt.update({"table": grad}, opt.init(params), params)
+    >>> osa.apply_updates(params, updates)["table"][1]  # column 0: |linear| <= l1, exactly 0
+    Array([0.      , 0.232178], dtype=float32)
+
+  References:
+    McMahan et al., `Ad Click Prediction: a View from the Trenches`, KDD 2013;
+    `keras.optimizers.Ftrl`, https://keras.io/api/optimizers/ftrl/
+  """
+  for name, value in (
+    ("initial_accumulator_value", initial_accumulator_value),
+    ("l1_regularization_strength", l1_regularization_strength),
+    ("l2_regularization_strength", l2_regularization_strength),
+    ("l2_shrinkage_regularization_strength", l2_shrinkage_regularization_strength),
+  ):
+    known = known_number(value)
+    if known is not None and not known >= 0.0:
+      raise ValueError(f"`{name}` needs to be positive or zero. Received: {name}={value}.")
+  power = known_number(learning_rate_power)
+  if power is not None and not power <= 0.0:
+    raise ValueError(
+      "`learning_rate_power` needs to be negative or zero. Received: "
+      f"learning_rate_power={learning_rate_power}."
+    )
+  rate = known_number(learning_rate)
+  if rate is not None and not rate > 0.0:
+    raise ValueError(
+      f"`learning_rate` needs to be positive (FTRL divides by it). Received: "
+      f"learning_rate={learning_rate}."
+    )
+  # It fills the state at init: static (0.1 where optax.inject_hyperparams traces it in a
+  # jitted update, which never reads it).
+  initial = known_number(initial_accumulator_value)
+  return sparse_rule_transformation(
+    FtrlRule(initial_accumulator_value=float(0.1 if initial is None else initial)),
+    FtrlHyperparams(
+      learning_rate,
+      learning_rate_power,
+      l1_regularization_strength,
+      l2_regularization_strength,
+      l2_shrinkage_regularization_strength,
+      beta,
+      None,
+    ),
+    maximize=maximize,
+    name="sparse_ftrl",
   )

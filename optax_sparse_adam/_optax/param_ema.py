@@ -21,6 +21,7 @@ from jax.experimental import sparse
 
 from optax_sparse_adam._core import bcoo, coalesce, row_update
 from optax_sparse_adam._core.errors import flatten_grads, leaves_up_to, path_str
+from optax_sparse_adam._core.set_rows import SetRowsUpdate
 
 
 class ParamEMAState(NamedTuple):
@@ -156,7 +157,10 @@ def _step_rows(update, param, ema, last, count, decay, path):
   summed = coalesce.coalesce_rows(bcoo.linear_rows(indices, layout), update.data, layout.num_rows)
   rows = summed.rows
   old_rows = param.at[rows].get(mode="fill", fill_value=0)
-  new_rows = (old_rows + summed.values.astype(param.dtype)).astype(param.dtype)
+  if isinstance(update, SetRowsUpdate):  # a rule's new rows, stored as they are
+    new_rows = summed.values.astype(param.dtype)
+  else:
+    new_rows = (old_rows + summed.values.astype(param.dtype)).astype(param.dtype)
   ema_rows = ema.at[rows].get(mode="fill", fill_value=0)
   idle = count - 1 - last.at[rows].get(mode="fill", fill_value=0)
   caught = _caught_up(old_rows, ema_rows, idle, decay)

@@ -24,7 +24,7 @@ from jax.experimental import sparse
 
 from optax_sparse_adam._core import bcoo, rounding, rules
 from optax_sparse_adam._core.errors import describe, flatten_grads, leaves_up_to, path_str
-from optax_sparse_adam._core.hyperparams import moment_dtype
+from optax_sparse_adam._core.hyperparams import known_number, moment_dtype
 from optax_sparse_adam._core.sharded import sharding
 from optax_sparse_adam._optax import catch_up, leaf, online
 from optax_sparse_adam._optax.state import check_param_steps
@@ -56,8 +56,11 @@ class SparseRuleState(NamedTuple):
 
 
 # Where a dense gradient goes instead, for the transformations that refuse them: the
-# factory, and what the message says of it.
+# factory, and what the message says of it. Any other rule's message names optax's
+# optimizers in general.
 _DENSE_TWIN = {
+  "sparse_adam": ("optax.adam", ""),
+  "sparse_adamw": ("optax.adamw", ""),
   "sparse_rowwise_adagrad": (
     "optax_sparse_adam.sparse_adagrad",
     " (torch.optim.Adagrad's numbers, dense gradients included)",
@@ -94,7 +97,10 @@ def check_grad_leaves(
   gradient only). Runs over every leaf before anything is computed, so a bad
   leaf fails the whole call and no state changes.
   """
-  twin, twin_note = _DENSE_TWIN.get(what, ("optax.adam", ""))
+  twin, twin_note = _DENSE_TWIN.get(
+    what, ("a dense optax optimizer", " (optax.adam, optax.sgd, ...)")
+  )
+  dense_call = f"{twin}(...)" if what in _DENSE_TWIN else "optax.adam(...)"
   for (path, grad), shape, param in zip(grads_with_path, shapes, params, strict=True):
     if grad is None:
       continue
@@ -118,7 +124,7 @@ def check_grad_leaves(
         "this for osa.SparseEmbed / SparseEmbedBag / LinenSparseEmbed / "
         "LinenSparseEmbedBag tables. If the parameter is not an embedding table, give it "
         f"to {twin}{twin_note}, or route dense and sparse leaves apart with "
-        f"optax.multi_transform({{'sparse': {what}(...), 'dense': {twin}(...)}}, labels). "
+        f"optax.multi_transform({{'sparse': {what}(...), 'dense': {dense_call}}}, labels). "
         "If it is "
         "wrapped in optax.MultiSteps, which accumulates gradients densely, use "
         "optax_sparse_adam.sparse_multi_steps instead."
@@ -215,6 +221,25 @@ def step_leaves(
   return new_updates, new_tables, new_steps
 
 
+def refuse_ignored_decay(weight_decay: Any, weight_decay_mode: str, name: str) -> None:
+  """Refuses a weight decay that `weight_decay_mode="none"` would ignore without a word.
+
+  A rate known now (a number, a concrete array) other than 0, or a schedule, is
+  refused; a traced array is not known (`optax.inject_hyperparams` gives a
+  concrete one to `init`, where it is checked).
+  """
+  if weight_decay_mode != "none" or weight_decay is None:
+    return
+  if callable(weight_decay) or known_number(weight_decay) not in (0, None):
+    raise ValueError(
+      f"{name}: weight_decay={weight_decay!r} is given with weight_decay_mode='none', "
+      "which would ignore it. Pass weight_decay_mode='l2' (the decay added to the "
+      "gradient, g + weight_decay * p, before the rule: FBGEMM's L2) or 'decoupled' "
+      "(p - learning_rate * weight_decay * p after it: FBGEMM's DECOUPLE), or "
+      "weight_decay=0."
+    )
+
+
 def check_max_norm(
   max_norm: Any, catch_up_idle_rows: bool = False, *, name: str = "sparse_adam"
 ) -> float | None:
@@ -270,9 +295,11 @@ def sparse_rule_transformation(
       `learning_rate` and `weight_decay`; each field a float, a 0-d array, or an
       `optax.Schedule` of the update count (evaluated at every update).
     maximize: ascend the objective instead of descending it.
-    weight_decay_mode: "l2" (added to the gradient before the rule) or
-      "decoupled" (subtracted after it, times the learning rate); a Python
-      zero `weight_decay` (or None) means none and reads no parameter.
+    weight_decay_mode: "l2" (added to the gradient before the rule),
+      "decoupled" (subtracted after it, times the learning rate), or "none"
+      (then `weight_decay` must be 0 or None: a rate it would ignore is
+      refused); a Python zero `weight_decay` (or None) means none and reads no
+      parameter.
     slot_dtypes: a storage dtype by slot name (default: the parameter's).
     per_row_steps: give each row its own step count (`RowBlock.step`).
     moment_rounding: "nearest" or "stochastic", for bf16 slots.
@@ -333,6 +360,7 @@ def sparse_rule_transformation(
       )
     dtypes[slot_name] = moment_dtype(dtype, f"slot_dtypes[{slot_name!r}]")
   weight_decay = hyperparams.weight_decay  # type: ignore[attr-defined]
+  refuse_ignored_decay(weight_decay, weight_decay_mode, name)
   mode = "none"
   if weight_decay_mode != "none" and not callable(weight_decay):
     mode = leaf.weight_decay_mode(weight_decay, decoupled=weight_decay_mode == "decoupled")

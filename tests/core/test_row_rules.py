@@ -158,6 +158,8 @@ mesh = jax.make_mesh((4,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
 opts = {
   "custom": osa.sparse_rule_transformation(SignRule(), SignHyper(0.1)),
   "rowwise_adagrad": osa.sparse_rowwise_adagrad(0.1, max_norm=1.5),
+  # A rule that reads and sets rows: the routed apply stores them (L1's zeros exact).
+  "ftrl": osa.sparse_ftrl(0.3, l1_regularization_strength=0.5),
 }
 out = {"devices": jax.device_count()}
 
@@ -188,6 +190,8 @@ for name, opt in opts.items():
     "slot_diff": diff(s1.slots[slot]["t"], s4.slots[slot]["t"]),
     "table_spec": str(p4["t"].sharding.spec),
     "slot_spec": str(s4.slots[slot]["t"].sharding.spec),
+    "zeros": [int(np.sum(np.asarray(p1["t"]) == 0)), int(np.sum(np.asarray(p4["t"]) == 0))],
+    "bits_equal": bool(np.array_equal(np.asarray(p1["t"]), np.asarray(p4["t"]))),
   }
 print(json.dumps(out))
 """
@@ -199,11 +203,14 @@ def test_rules_on_a_row_sharded_table_match_one_device(tmp_path):
   script.write_text(_SHARDED_SCRIPT)
   out = run_checks(str(script), timeout=300)
   assert out["devices"] == 4
-  for name in ("custom", "rowwise_adagrad"):
+  for name in ("custom", "rowwise_adagrad", "ftrl"):
     assert out[name]["param_diff"] <= 1e-6, (name, out[name])
     assert out[name]["slot_diff"] <= 1e-6, (name, out[name])
     assert out[name]["table_spec"].endswith("('x', None)"), (name, out[name])
     assert "('x'" in out[name]["slot_spec"], (name, out[name])
+  # FTRL's rows are set on their owners as on one device: the same bits, zeros included.
+  assert out["ftrl"]["bits_equal"], out["ftrl"]
+  assert out["ftrl"]["zeros"][0] == out["ftrl"]["zeros"][1] > 0, out["ftrl"]
 
 
 def _fbgemm_rowwise_adagrad(batches, lr, eps, wd, mode, max_norm):

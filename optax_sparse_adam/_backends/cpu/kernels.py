@@ -39,6 +39,7 @@ import jax.numpy as jnp
 
 from optax_sparse_adam._backends import choice
 from optax_sparse_adam._backends.cpu import moment_steps, rule_steps
+from optax_sparse_adam._core import rules
 from optax_sparse_adam._core.bcoo import RowLayout
 from optax_sparse_adam._core.row_rules.adam import AdamRule
 from optax_sparse_adam._core.row_rules.rowwise_adam import (
@@ -48,6 +49,9 @@ from optax_sparse_adam._core.rules import RowsStep, StepInputs, StepPlan
 from optax_sparse_adam._core.sharded import sharding
 
 _SCATTER_ADD_ROWS = "optax_sparse_adam_scatter_add_rows_f32"
+_STORE_ROWS = "optax_sparse_adam_store_rows"  # row_store.cc: any dtype, any rule
+# The tables `store_rows` writes: the rows' bytes are copied, whatever they hold.
+_STORED_DTYPES = tuple(jnp.dtype(d) for d in (jnp.float32, jnp.bfloat16, jnp.float16))
 
 
 def _library_path() -> Path | None:
@@ -95,6 +99,9 @@ def available() -> bool:
     )
     jax.ffi.register_ffi_target(
       _SCATTER_ADD_ROWS, jax.ffi.pycapsule(library.OsaScatterAddRowsF32), platform="cpu"
+    )
+    jax.ffi.register_ffi_target(
+      _STORE_ROWS, jax.ffi.pycapsule(library.OsaStoreRows), platform="cpu"
     )
     jax.ffi.register_ffi_target(
       moment_steps.ENTRY_STEPS, jax.ffi.pycapsule(library.OsaEntryStepsS32), platform="cpu"
@@ -151,6 +158,8 @@ def step_applies(inputs: StepInputs, plan: StepPlan) -> bool:
   """Whether the rule's kernel variant computes this step (see `masked_step`)."""
   variant = _VARIANTS.get(plan.rule.name)
   if variant is None or (plan.config.max_norm is not None and not variant.max_norm):
+    return False
+  if rules.reads_param(plan.rule) or rules.sets_rows(plan.rule):  # a rule by another name
     return False
   return variant.applies(inputs, plan)
 
@@ -275,6 +284,43 @@ _VARIANTS: dict[str, KernelVariant] = {
     for name in rule_steps.RULES
   },
 }
+
+
+def store_applies(table: jax.Array, *, nse: int, num_rows: int) -> bool:
+  """Whether `store_rows` can store rows into `table` (float32, bfloat16 or float16).
+
+  As `_applies`: entries and rows, no Explicit axes, the table on one CPU device.
+  """
+  row_size = math.prod(table.shape) // num_rows if num_rows > 0 else 0
+  return (
+    jnp.dtype(table.dtype) in _STORED_DTYPES
+    and nse > 0
+    and num_rows > 0
+    and row_size > 0
+    and not sharding.explicit_axes()
+    and enabled()
+    and sharding.on_one_cpu_device((table,))
+  )
+
+
+def store_rows(
+  table: jax.Array, rows: jax.Array, values: jax.Array, *, num_rows: int, rows_unique: bool
+) -> jax.Array:
+  """`table[rows] = values` (cast to the table's dtype), out-of-range rows dropped; in place.
+
+  `table` keeps its shape and is viewed as `num_rows` rows; `values` holds one
+  row per entry of `rows`. A repeated row keeps its last entry. The generic
+  kernel every rule's step and apply share on the CPU (`row_store.cc`): a set of
+  the same bits as XLA's scatter, with no table-sized copy for 16-bit tables.
+  """
+  call = jax.ffi.ffi_call(
+    _STORE_ROWS,
+    jax.ShapeDtypeStruct(table.shape, table.dtype),
+    input_output_aliases={2: 0},
+    vmap_method=moment_steps.VMAP_METHOD,
+  )
+  values = values.astype(table.dtype).reshape(rows.shape[0], -1)
+  return call(rows.astype(jnp.int32), values, table, num_rows=num_rows, rows_unique=rows_unique)
 
 
 def scatter_add_rows(
