@@ -21,7 +21,8 @@ from optax_sparse_adam._core.row_rules.rowwise_adagrad import (
   RowwiseAdagradRule,
 )
 from optax_sparse_adam._core.row_rules.sgd import SGDHyperparams, SGDRule
-from optax_sparse_adam._optax.rule_transform import DenseLeaves, sparse_rule_transformation
+from optax_sparse_adam._optax.rule_transform import sparse_rule_transformation
+from optax_sparse_adam._optax.step_checks import DenseLeaves
 
 ScalarOrSchedule = Any
 

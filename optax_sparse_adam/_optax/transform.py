@@ -21,18 +21,14 @@ from optax_sparse_adam._core.row_rules.adam import AdamRule
 from optax_sparse_adam._core.row_rules.rowwise_adam import RowwiseAdamRule
 from optax_sparse_adam._core.sharded import sharding
 from optax_sparse_adam._optax import catch_up, leaf, online
-from optax_sparse_adam._optax.rule_transform import (
-  advance_param_steps,
-  check_grad_leaves,
-  check_max_norm,
-  step_leaves,
-)
+from optax_sparse_adam._optax.rule_transform import advance_param_steps, step_leaves
 from optax_sparse_adam._optax.state import (
   SparseAdamState,
   leaf_state_of,
   leaf_states,
   param_indices,
 )
+from optax_sparse_adam._optax.step_checks import check_grad_leaves, check_max_norm
 
 ScalarOrSchedule: TypeAlias = float | jax.Array | optax.Schedule
 
