@@ -236,7 +236,13 @@ def sparse_rule_transformation(
       )
     dtypes[slot_name] = moment_dtype(dtype, f"slot_dtypes[{slot_name!r}]")
   weight_decay = hyperparams.weight_decay  # type: ignore[attr-defined]
-  refuse_ignored_decay(weight_decay, weight_decay_mode, name)
+  # A transformation that decays dense leaves only (torch's SGD and Adagrad) refuses a
+  # decay on sparse leaves itself, at update, naming the leaf.
+  decays_dense_only = isinstance(
+    dense_gradients, DenseLeaves
+  ) and dense_gradients.weight_decay_mode not in (None, "none")
+  if not decays_dense_only:
+    refuse_ignored_decay(weight_decay, weight_decay_mode, name)
   mode = "none"
   if weight_decay_mode != "none" and not callable(weight_decay):
     mode = leaf.weight_decay_mode(weight_decay, decoupled=weight_decay_mode == "decoupled")
