@@ -90,28 +90,17 @@ def scatter_add(
   rows_sorted: bool,
 ) -> jax.Array:
   """`param[rows] += values` on the backend it is lowered for; padding rows dropped."""
-
-  def generic(param, rows, values):
-    return xla.scatter_add(
-      param, rows, values, layout=layout, rows_unique=rows_unique, rows_sorted=rows_sorted
-    )
-
-  on_cpu = generic
+  # The XLA scatter-add every path but the kernel's runs, with the path's own flags.
+  xla_add = functools.partial(
+    xla.scatter_add, layout=layout, rows_unique=rows_unique, rows_sorted=rows_sorted
+  )
+  generic = xla_add
+  on_cpu: Callable[..., jax.Array] = generic
   if param.dtype == jnp.bfloat16 and kernels.store_applies(
     param, nse=rows.shape[0], num_rows=layout.num_rows
   ):
-
-    def on_cpu(param, rows, values):
-      # XLA's sums, rounded once, stored in place: no bfloat16 table copy.
-      return xla.scatter_add(
-        param,
-        rows,
-        values,
-        layout=layout,
-        rows_unique=rows_unique,
-        rows_sorted=rows_sorted,
-        store_rows=_kernel_store(layout),
-      )
+    # XLA's sums, rounded once, stored in place: no bfloat16 table copy.
+    on_cpu = functools.partial(xla_add, store_rows=_kernel_store(layout))
 
   elif kernels.scatter_add_applies(param, values, layout=layout):
 
@@ -122,19 +111,10 @@ def scatter_add(
         param, rows, values, num_rows=layout.num_rows, rows_unique=rows_unique
       )
 
-  def on_accelerator(param, rows, values):
-    # One scatter-add of the parameter's own dtype, no sort, on GPUs and TPUs.
-    # An update from sparse_adam repeats no row (its padding rows are dropped),
-    # but its flags mirror the gradient's, so they cannot promise that to XLA.
-    return xla.scatter_add(
-      param,
-      rows,
-      values,
-      layout=layout,
-      rows_unique=rows_unique,
-      rows_sorted=rows_sorted,
-      through_bits=False,
-    )
+  # One scatter-add of the parameter's own dtype, no sort, on GPUs and TPUs.
+  # An update from sparse_adam repeats no row (its padding rows are dropped),
+  # but its flags mirror the gradient's, so they cannot promise that to XLA.
+  on_accelerator = functools.partial(xla_add, through_bits=False)
 
   return _by_backend((param, rows, values), cpu=on_cpu, accelerator=on_accelerator, generic=generic)
 
@@ -166,7 +146,7 @@ def store_rows(
 
   # XLA:CPU has no 16-bit float scatter: the bits are stored there and elsewhere.
   generic = through(True)
-  on_cpu = generic
+  on_cpu: Callable[..., jax.Array] = generic
   if kernels.store_applies(param, nse=rows.shape[0], num_rows=layout.num_rows):
 
     def on_cpu(param, rows, values):
