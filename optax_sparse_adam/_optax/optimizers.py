@@ -22,7 +22,7 @@ from optax_sparse_adam._core.row_rules.rowwise_adagrad import (
 )
 from optax_sparse_adam._core.row_rules.sgd import SGDHyperparams, SGDRule
 from optax_sparse_adam._optax.rule_transform import sparse_rule_transformation
-from optax_sparse_adam._optax.step_checks import DenseLeaves
+from optax_sparse_adam._optax.step_checks import DenseLeaves, NonzeroRefusal
 
 ScalarOrSchedule = Any
 
@@ -32,6 +32,18 @@ SGD_WEIGHT_DECAY = (
   "('add(sparse, dense) is not supported. Use add(dense, sparse) instead.'): its decay "
   "would move every row of the table each step. For a decay of the touched rows only, use "
   "sparse_rowwise_adagrad(weight_decay_mode=...) or sparse_adamw."
+)
+ADAGRAD_WEIGHT_DECAY = (
+  "weight_decay={wd!r} decays dense gradients only: weight_decay option is "
+  "not compatible with sparse gradients (torch.optim.Adagrad's words: its decay would "
+  "move every row). For a decay of the touched rows only, use "
+  "sparse_rowwise_adagrad(weight_decay_mode=...)."
+)
+SGD_MOMENTUM_UNBUFFERED = (
+  "momentum={momentum!r}, but this sparse_sgd keeps no momentum buffer (it was made with "
+  "momentum 0 and neither lazy_momentum nor catch_up_idle_rows), so the momentum would be "
+  "ignored. To change the momentum later (optax.inject_hyperparams), make the optimizer with "
+  "lazy_momentum=True or catch_up_idle_rows=True."
 )
 SGD_MOMENTUM = (
   "momentum={momentum!r}: torch.optim.SGD's momentum is not lazy on sparse gradients (dense "
@@ -49,12 +61,21 @@ def _is_zero(value: Any) -> bool:
   return is_python_number(value) and value == 0
 
 
+def _sparse_decay_refusal(message: str) -> NonzeroRefusal:
+  """A traced weight decay that is nonzero when the step runs: refused on sparse leaves."""
+  return NonzeroRefusal("weight_decay", lambda wd: message.format(wd=wd), sparse_leaves_only=True)
+
+
 def _dense_leaves(weight_decay: Any, *refusals: str | None) -> DenseLeaves:
   """Dense leaves decay (L2) unless the rate is None or a Python zero; sparse leaves never
   do, and are refused with the first of `refusals` given (torch's refusals)."""
   decays = weight_decay is not None and not _is_zero(weight_decay)
   refusal = next((r for r in refusals if r is not None), None)
   return DenseLeaves("l2" if decays else "none", refusal)
+
+
+def _unbuffered_momentum(momentum: float) -> str:
+  return SGD_MOMENTUM_UNBUFFERED.format(momentum=momentum)
 
 
 def sparse_sgd(
@@ -169,6 +190,8 @@ def sparse_sgd(
       SGD_WEIGHT_DECAY.format(wd=weight_decay) if refuse_decay else None,
       SGD_MOMENTUM.format(momentum=momentum) if dense_momentum else None,
     ),
+    nonzero_refusals=[_sparse_decay_refusal(SGD_WEIGHT_DECAY)]
+    + ([] if buffered else [NonzeroRefusal("momentum", _unbuffered_momentum)]),
     name="sparse_sgd",
   )
 
@@ -245,12 +268,7 @@ def sparse_adagrad(
   )
   refusal = None
   if known_number(weight_decay) not in (0, None):
-    refusal = (
-      f"weight_decay={weight_decay!r} decays dense gradients only: weight_decay option is "
-      "not compatible with sparse gradients (torch.optim.Adagrad's words: its decay would "
-      "move every row). For a decay of the touched rows only, use "
-      "sparse_rowwise_adagrad(weight_decay_mode=...)."
-    )
+    refusal = ADAGRAD_WEIGHT_DECAY.format(wd=weight_decay)
   # It fills the state at init: static (0 where optax.inject_hyperparams traces it in a
   # jitted update, which never reads it).
   initial = known_number(initial_accumulator_value)
@@ -262,6 +280,7 @@ def sparse_adagrad(
     catch_up_idle_rows=catch_up_idle_rows,  # lazy Adagrad is dense Adagrad: no state
     track_changed_rows=track_changed_rows,
     dense_gradients=_dense_leaves(weight_decay, refusal),
+    nonzero_refusals=[_sparse_decay_refusal(ADAGRAD_WEIGHT_DECAY)],
     name="sparse_adagrad",
   )
 

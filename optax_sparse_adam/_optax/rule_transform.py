@@ -13,6 +13,7 @@ given to `init`, so `optax.tree.map_params` and `optax.inject_hyperparams` work.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, NamedTuple, get_args
 
 import jax
@@ -29,9 +30,12 @@ from optax_sparse_adam._optax import catch_up, leaf, online
 from optax_sparse_adam._optax.state import check_param_steps
 from optax_sparse_adam._optax.step_checks import (
   DenseLeaves,
+  NonzeroRefusal,
   check_grad_leaves,
   check_max_norm,
+  ignored_decay_message,
   refuse_ignored_decay,
+  refuse_nonzero_when_run,
 )
 
 
@@ -146,6 +150,7 @@ def sparse_rule_transformation(
   catch_up_idle_rows: bool = False,
   track_changed_rows: bool = False,
   dense_gradients: bool | DenseLeaves = False,
+  nonzero_refusals: Sequence[NonzeroRefusal] = (),
   name: str = "sparse_rule_transformation",
 ) -> optax.GradientTransformationExtraArgs:
   r"""The optax transformation of a row rule, for BCOO gradients: masked, row by row.
@@ -195,6 +200,10 @@ def sparse_rule_transformation(
       optimizer's formula), their updates dense. False: refuse them, by path.
       A `DenseLeaves` value also sets their weight decay apart from the sparse
       leaves' (torch's SGD and Adagrad decay dense gradients only).
+    nonzero_refusals: hyper-parameters the step would ignore, refused when
+      nonzero: a traced one (`optax.inject_hyperparams` under `jit`) when the
+      step runs. A traced `weight_decay` that `weight_decay_mode="none"` ignores
+      is refused so without being named here.
     name: the factory's name in error messages.
 
   Returns:
@@ -243,6 +252,11 @@ def sparse_rule_transformation(
   ) and dense_gradients.weight_decay_mode not in (None, "none")
   if not decays_dense_only:
     refuse_ignored_decay(weight_decay, weight_decay_mode, name)
+  refusals = list(nonzero_refusals)
+  if weight_decay_mode == "none" and all(r.field != "weight_decay" for r in refusals):
+    refusals.append(
+      NonzeroRefusal("weight_decay", ignored_decay_message, sparse_leaves_only=decays_dense_only)
+    )
   mode = "none"
   if weight_decay_mode != "none" and not callable(weight_decay):
     mode = leaf.weight_decay_mode(weight_decay, decoupled=weight_decay_mode == "decoupled")
@@ -357,6 +371,7 @@ def sparse_rule_transformation(
     check_grad_leaves(grads_with_path, shapes, param_leaves, name, dense)
 
     hyper = hyper_at(state.count)
+    grads_with_path = refuse_nonzero_when_run(refusals, hyper, grads_with_path, name)
     opaque_zero = jnp.minimum(state.count, 0)  # products rounded before adds (adam.rounded)
     tables = [
       rules.Tables({n: slot_leaves[n][i] for n in slot_names}, row_steps[i], param, last_steps[i])

@@ -2,21 +2,25 @@
 
 `check_grad_leaves` runs over every leaf before anything is computed, so a bad leaf
 fails the whole call and no state changes; `refuse_ignored_decay` and `check_max_norm`
-run when a transformation is made. Shared by `sparse_rule_transformation` and
-`sparse_adam`.
+run when a transformation is made; `refuse_nonzero_when_run` checks, when the step runs,
+the traced values of hyper-parameters the step would ignore. Shared by
+`sparse_rule_transformation` and `sparse_adam`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import sparse
 
 from optax_sparse_adam._core import bcoo
 from optax_sparse_adam._core.errors import describe, path_str
 from optax_sparse_adam._core.hyperparams import known_number
+from optax_sparse_adam._core.row_update import padding_if
 
 # Where a dense gradient goes instead, for the transformations that refuse them: the
 # factory, and what the message says of it. Any other rule's message names optax's
@@ -115,19 +119,99 @@ def refuse_ignored_decay(weight_decay: Any, weight_decay_mode: str, name: str) -
   """Refuses a weight decay that `weight_decay_mode="none"` would ignore without a word.
 
   A rate known now (a number, a concrete array) other than 0, or a schedule, is
-  refused; a traced array is not known (`optax.inject_hyperparams` gives a
-  concrete one to `init`, where it is checked).
+  refused; a traced array is not known now, and is checked when the step runs
+  (`NonzeroRefusal`).
   """
   if weight_decay_mode != "none" or weight_decay is None:
     return
   if callable(weight_decay) or known_number(weight_decay) not in (0, None):
-    raise ValueError(
-      f"{name}: weight_decay={weight_decay!r} is given with weight_decay_mode='none', "
-      "which would ignore it. Pass weight_decay_mode='l2' (the decay added to the "
-      "gradient, g + weight_decay * p, before the rule: FBGEMM's L2) or 'decoupled' "
-      "(p - learning_rate * weight_decay * p after it: FBGEMM's DECOUPLE), or "
-      "weight_decay=0."
-    )
+    raise ValueError(f"{name}: {ignored_decay_message(weight_decay)}")
+
+
+def ignored_decay_message(weight_decay: Any) -> str:
+  """What `refuse_ignored_decay` says (and its run-time twin, for a traced rate)."""
+  return (
+    f"weight_decay={weight_decay!r} is given with weight_decay_mode='none', "
+    "which would ignore it. Pass weight_decay_mode='l2' (the decay added to the "
+    "gradient, g + weight_decay * p, before the rule: FBGEMM's L2) or 'decoupled' "
+    "(p - learning_rate * weight_decay * p after it: FBGEMM's DECOUPLE), or "
+    "weight_decay=0."
+  )
+
+
+class NonzeroRefusal(NamedTuple):
+  """A hyper-parameter the step would ignore, so it must be 0: refused when nonzero.
+
+  A value known when the transformation is made is refused then, by its factory. A
+  traced one (`optax.inject_hyperparams` under `jit` passes every hyper-parameter
+  traced, and lets the user change it in the state later) is checked when the step
+  runs, by `refuse_nonzero_when_run`.
+
+  Attributes:
+    field: the hyper-parameters' field.
+    message: the refusal, given the value.
+    sparse_leaves_only: only sparse leaves ignore it (dense ones take it).
+  """
+
+  field: str
+  message: Callable[[float], str]
+  sparse_leaves_only: bool = False
+
+
+def refuse_nonzero_when_run(
+  refusals: Sequence[NonzeroRefusal],
+  hyper: Any,
+  grads_with_path: list[tuple[Any, Any]],
+  what: str,
+) -> list[tuple[Any, Any]]:
+  """The gradients, guarded against the traced hyper-parameters the step would ignore.
+
+  For each refusal whose value is traced and a leaf that would ignore it: when the
+  step runs with the value nonzero, a host callback raises the refusal (naming the
+  first such leaf), and those leaves' gradients become all padding (sparse) or zeros
+  (dense), so nothing is stepped by the value ignored. Concrete values pass (their
+  factory checked them).
+  """
+  guarded = list(grads_with_path)
+  for refusal in refusals:
+    value = getattr(hyper, refusal.field)
+    if not isinstance(value, jax.core.Tracer):
+      continue
+    hit = [
+      i
+      for i, (_, grad) in enumerate(guarded)
+      if grad is not None and (isinstance(grad, sparse.BCOO) or not refusal.sparse_leaves_only)
+    ]
+    if not hit:
+      continue
+    where = path_str(guarded[hit[0]][0])
+    kind = "sparse (BCOO)" if isinstance(guarded[hit[0]][1], sparse.BCOO) else "dense"
+
+    def raise_if_nonzero(
+      v: Any, refusal: NonzeroRefusal = refusal, where: str = where, kind: str = kind
+    ) -> None:
+      if np.any(v != 0):
+        raise ValueError(
+          f"{what}: {refusal.field} is traced (as optax.inject_hyperparams passes it) and "
+          f"{float(np.max(v))!r} when the step runs; the gradient at {where} is {kind}: "
+          + refusal.message(float(np.max(v)))
+        )
+
+    jax.debug.callback(raise_if_nonzero, value)
+    nonzero = jnp.any(value != 0)
+    for i in hit:
+      path, grad = guarded[i]
+      if isinstance(grad, sparse.BCOO):
+        grad = sparse.BCOO(
+          (grad.data, padding_if(nonzero, grad)),
+          shape=grad.shape,
+          indices_sorted=grad.indices_sorted,
+          unique_indices=grad.unique_indices,
+        )
+      else:
+        grad = jnp.where(nonzero, jnp.zeros_like(grad), grad)
+      guarded[i] = (path, grad)
+  return guarded
 
 
 def check_max_norm(
