@@ -23,6 +23,7 @@ from optax_sparse_adam._core.rules import StepConfig, Tables
 from optax_sparse_adam._optax import leaf, table_steps
 from tests._helpers import train_step
 from tests.backends.test_accelerator import _table_writes
+from tests.core._forced_devices import run_checks
 
 # name: (parameter shape, n_sparse, gradient entries, parameter dtype)
 TABLES = {
@@ -258,3 +259,16 @@ def test_a_local_leaf_has_no_reason_to_step_alone():
   tables = Tables({"mu": jnp.zeros((50, 8)), "nu": jnp.zeros((50, 8))})
   ready = leaf.prepare_leaf_step(grad, tables, jnp.int32(0), rule=AdamRule(), config=StepConfig())
   assert table_steps.unbatched_reason(ready) is None
+
+
+@pytest.mark.slow
+def test_a_row_sharded_table_is_stepped_alone_the_others_together():
+  """On 2 forced CPU devices (a subprocess): the routed table says why it steps alone; the
+  two local tables are batched; the step equals the per-table one bit for bit."""
+  got = run_checks("../backends/_table_batched_sharded.py", timeout=300)
+  assert got["reasons"] == {
+    "sharded": "the table is row-sharded: its step is routed to each row's owner",
+    "a": None,
+    "b": None,
+  }
+  assert got["same_bits"] and got["every_table_moved"]
