@@ -10,6 +10,8 @@ accelerator step (`accelerator`: one sort, no loop) on CUDA, ROCm and TPU, and
 to the generic XLA ops (`xla`) on any other backend. Every path returns the
 same results: on the CPU all three agree bit for bit (tests/backends), but for
 the catch-up of idle rows, where the kernel agrees to float32 rounding.
+`masked_steps` takes the tables of one update together: on CUDA, ROCm and TPU
+they share one sort (`table_batched`); elsewhere each runs `masked_step`'s path.
 """
 
 import functools
