@@ -26,15 +26,21 @@ class PathChoice(NamedTuple):
     forced: private, for tests and benchmarks: `ACCELERATOR` or `GENERIC_XLA`
       runs that rows step on every backend, the CPU included; None picks by
       backend.
+    batch_tables: private, for tests and benchmarks: where the accelerator step
+      runs, step the sparse tables of one update through one sort
+      (`table_batched`); False: each table through its own.
   """
 
   cpu_kernels: bool | None = None
   forced: str | None = None
+  batch_tables: bool = True
 
 
 def _check(choice: PathChoice) -> None:
   if choice.forced not in (None, *_PATHS):
     raise ValueError(f"forced path {choice.forced!r}; expected one of {_PATHS} or None")
+  if not isinstance(choice.batch_tables, bool):
+    raise TypeError(f"batch_tables must be a bool, got {choice.batch_tables!r}")
 
 
 _SWITCH = Switch(PathChoice(), _check)

@@ -10,17 +10,19 @@ accelerator step (`accelerator`: one sort, no loop) on CUDA, ROCm and TPU, and
 to the generic XLA ops (`xla`) on any other backend. Every path returns the
 same results: on the CPU all three agree bit for bit (tests/backends), but for
 the catch-up of idle rows, where the kernel agrees to float32 rounding.
+`masked_steps` takes the tables of one update together: on CUDA, ROCm and TPU
+they share one sort (`table_batched`); elsewhere each runs `masked_step`'s path.
 """
 
 import functools
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from optax_sparse_adam._backends import accelerator, choice, xla
+from optax_sparse_adam._backends import accelerator, choice, table_batched, xla
 from optax_sparse_adam._backends.cpu import kernels
 from optax_sparse_adam._backends.protocol import StepBackend
 from optax_sparse_adam._core import coalesce
@@ -30,44 +32,88 @@ from optax_sparse_adam._core.rules import RowsStep, StepInputs, StepPlan
 
 def masked_step(inputs: StepInputs, plan: StepPlan) -> RowsStep:
   """One parameter's masked step on the backend it is lowered for (see `xla.masked_step`)."""
-  # The hyper-parameters that are arrays (a traced learning rate, a step size)
-  # travel as an argument: a backend must not close over them, or
-  # differentiating through the step would leak them out of `_differentiated_as`'s
-  # rule. Python floats stay closed over: constants, exact until used.
+  step = _bind(inputs, plan)
+  generic = step.runs(xla.masked_step)
+  on_cpu = generic if step.on_cpu is xla.masked_step else step.runs(step.on_cpu)
+  return _by_backend(
+    step.args, cpu=on_cpu, accelerator=step.runs(accelerator.masked_step), generic=generic
+  )
+
+
+def masked_steps(steps: Sequence[tuple[StepInputs, StepPlan]]) -> list[RowsStep]:
+  """Several parameters' masked steps (`masked_step` each), the tables batched on accelerators.
+
+  On CUDA, ROCm and TPU (or forced, `choice.ACCELERATOR`) the tables share one
+  sort (`table_batched.masked_steps`) unless `choice.PathChoice.batch_tables`
+  is off; on the CPU and elsewhere each table runs the path `masked_step` picks
+  for it (the CPU kernels where they apply), unchanged.
+  """
+  if len(steps) < 2 or not choice.current().batch_tables:
+    return [masked_step(inputs, plan) for inputs, plan in steps]
+  bound = [_bind(inputs, plan) for inputs, plan in steps]
+
+  def each(backend_of: Callable[[_Bound], StepBackend]) -> Callable[..., list[RowsStep]]:
+    def run(*args: Any) -> list[RowsStep]:
+      return [backend_of(b)(b.inputs(*a), b.plan) for b, a in zip(bound, args, strict=True)]
+
+    return run
+
+  def batched(*args: Any) -> list[RowsStep]:
+    return table_batched.masked_steps(
+      [(b.inputs(*a), b.plan) for b, a in zip(bound, args, strict=True)]
+    )
+
+  generic = each(lambda b: xla.masked_step)
+  on_cpu = generic
+  if any(b.on_cpu is not xla.masked_step for b in bound):
+    on_cpu = each(lambda b: b.on_cpu)
+  return _by_backend(tuple(b.args for b in bound), cpu=on_cpu, accelerator=batched, generic=generic)
+
+
+class _Bound(NamedTuple):
+  """A step's traced arguments, how a backend gets its inputs back, and its CPU backend.
+
+  The hyper-parameters that are arrays (a traced learning rate, a step size)
+  travel as an argument: a backend must not close over them, or differentiating
+  through the step would leak them out of `_differentiated_as`'s rule. Python
+  floats stay closed over: constants, exact until used.
+  """
+
+  args: tuple
+  inputs: Callable[..., StepInputs]
+  plan: StepPlan
+  on_cpu: StepBackend
+
+  def runs(self, backend: StepBackend) -> Callable[..., RowsStep]:
+    """`backend` as a function of `args`."""
+    return lambda *args: backend(self.inputs(*args), self.plan)
+
+
+def _bind(inputs: StepInputs, plan: StepPlan) -> _Bound:
   leaves, treedef = jax.tree.flatten(inputs.hyper)
   traced = [i for i, leaf in enumerate(leaves) if isinstance(leaf, jax.Array)]
 
-  def bound(backend: StepBackend) -> Callable[..., RowsStep]:
-    def call(inputs: StepInputs, arrays: list[jax.Array]) -> RowsStep:
-      full = list(leaves)
-      for i, array in zip(traced, arrays, strict=True):
-        full[i] = array
-      return backend(inputs._replace(hyper=jax.tree.unflatten(treedef, full)), plan)
+  def rebound(inputs: StepInputs, arrays: list[jax.Array]) -> StepInputs:
+    full = list(leaves)
+    for i, array in zip(traced, arrays, strict=True):
+      full[i] = array
+    return inputs._replace(hyper=jax.tree.unflatten(treedef, full))
 
-    return call
-
-  generic = bound(xla.masked_step)
-  on_cpu = generic
+  on_cpu: StepBackend = xla.masked_step
   if kernels.step_applies(inputs, plan):  # the rule's fused kernel
-    on_cpu = bound(kernels.masked_step)
+    on_cpu = kernels.masked_step
   elif all(
     kernels.store_applies(table, nse=inputs.rows.shape[0], num_rows=plan.layout.num_rows)
     for table in inputs.tables.slots.values()
   ):
     # Any rule: its math in XLA ops, its slots' rows stored in place by the generic kernel.
-    on_cpu = bound(
-      functools.partial(
-        xla.masked_step,
-        coalescer=coalesce.coalesce_and_gather_rows_unmarked,
-        store_rows=_kernel_store(plan.layout),
-      )
+    on_cpu = functools.partial(
+      xla.masked_step,
+      coalescer=coalesce.coalesce_and_gather_rows_unmarked,
+      store_rows=_kernel_store(plan.layout),
     )
-  return _by_backend(
-    (inputs._replace(hyper=None), [leaves[i] for i in traced]),
-    cpu=on_cpu,
-    accelerator=bound(accelerator.masked_step),
-    generic=generic,
-  )
+  args = (inputs._replace(hyper=None), [leaves[i] for i in traced])
+  return _Bound(args, rebound, plan, on_cpu)
 
 
 def _kernel_store(layout: RowLayout) -> xla.RowStore:

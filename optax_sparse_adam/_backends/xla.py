@@ -6,6 +6,7 @@ slots gathered, the rule applied (`rules.RowRule.update`), and the new rows
 scattered back in place.
 """
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -212,7 +213,7 @@ def check_slot_rows(rule: Any, new_rows: Any) -> None:
 def _renormalised_rows(new: jax.Array, max_norm: float, opaque_zero: jax.Array | None) -> jax.Array:
   """`new` with each row whose L2 norm exceeds `max_norm` scaled to it (`_renormalised`'s order)."""
   n = new.shape[0]
-  squares = rounded(new * new, opaque_zero).reshape(n, -1)
+  squares = rounded(new * new, opaque_zero).reshape(n, math.prod(new.shape[1:]))  # n may be 0
   norm = jnp.sqrt(pairwise_row_sum(squares)).reshape((n,) + (1,) * (new.ndim - 1))
   scale = jnp.where(norm > max_norm, jnp.asarray(max_norm, new.dtype) / norm, 1)
   return jnp.where(norm > max_norm, rounded(new * scale, opaque_zero), new)
@@ -231,7 +232,7 @@ def _renormalised(
   """
   new = param_rows + delta
   n = new.shape[0]
-  squares = rounded(new * new, opaque_zero).reshape(n, -1)
+  squares = rounded(new * new, opaque_zero).reshape(n, math.prod(new.shape[1:]))  # n may be 0
   norm = jnp.sqrt(pairwise_row_sum(squares)).reshape((n,) + (1,) * (new.ndim - 1))
   scale = jnp.where(norm > max_norm, jnp.asarray(max_norm, new.dtype) / norm, 1)
   return jnp.where(norm > max_norm, rounded(new * scale, opaque_zero) - param_rows, delta)

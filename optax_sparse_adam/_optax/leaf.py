@@ -171,18 +171,11 @@ def masked_leaf_step(
     row-sharded table, `sharded_routing`) returns the update split over the
     table's axis, each device's rows sorted, padding between.
   """
-  param_shape = _param_shape(tables, rule, grad)
-  layout = bcoo.row_layout(grad, param_shape, path)
-  grad = row_update.verified(grad, path, what="gradient")
-  _check_tables(tables, layout, config, path, rule)
-  compute_dtype = jnp.result_type(
-    jnp.float32, grad.dtype, *(table.dtype for table in tables.slots.values())
+  grad, tables, plan, new_step = prepare_leaf_step(
+    grad, tables, step, rule=rule, config=config, path=path
   )
-  plan = StepPlan(layout, rule, config._replace(compute_dtype=jnp.dtype(compute_dtype)))
+  layout = plan.layout
   sets = sets_rows(rule)
-  if config.weight_decay == "none" and config.max_norm is None and not uses_param(rule):
-    tables = tables._replace(param=None)
-  new_step = None if step is None else optax.safe_increment(step)
   indices_sorted, unique_indices = update_flags
 
   route = routed.plan_step(grad, tables, plan)
@@ -273,6 +266,38 @@ def masked_leaf_step(
     unique_indices=unique_indices,
   )
   return LeafStep(as_set_rows(update) if sets else update, new_step, new_tables)
+
+
+class PreparedStep(NamedTuple):
+  """A parameter's step checked and planned (`prepare_leaf_step`), before a backend runs it."""
+
+  grad: sparse.BCOO
+  tables: Tables
+  plan: StepPlan
+  new_step: jax.Array | None
+
+
+def prepare_leaf_step(
+  grad: sparse.BCOO,
+  tables: Tables,
+  step: jax.Array | None,
+  *,
+  rule: RowRule,
+  config: StepConfig,
+  path: tuple = (),
+) -> PreparedStep:
+  """`masked_leaf_step`'s checks and plan: the gradient's ids verified, the tables checked."""
+  layout = bcoo.row_layout(grad, _param_shape(tables, rule, grad), path)
+  grad = row_update.verified(grad, path, what="gradient")
+  _check_tables(tables, layout, config, path, rule)
+  compute_dtype = jnp.result_type(
+    jnp.float32, grad.dtype, *(table.dtype for table in tables.slots.values())
+  )
+  plan = StepPlan(layout, rule, config._replace(compute_dtype=jnp.dtype(compute_dtype)))
+  if config.weight_decay == "none" and config.max_norm is None and not uses_param(rule):
+    tables = tables._replace(param=None)
+  new_step = None if step is None else optax.safe_increment(step)
+  return PreparedStep(grad, tables, plan, new_step)
 
 
 def uses_param(rule: RowRule) -> bool:

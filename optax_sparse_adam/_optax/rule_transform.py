@@ -26,7 +26,7 @@ from optax_sparse_adam._core import bcoo, rounding, rules
 from optax_sparse_adam._core.errors import flatten_grads, leaves_up_to
 from optax_sparse_adam._core.hyperparams import moment_dtype
 from optax_sparse_adam._core.sharded import sharding
-from optax_sparse_adam._optax import catch_up, leaf, online
+from optax_sparse_adam._optax import catch_up, leaf, online, table_steps
 from optax_sparse_adam._optax.state import check_param_steps
 from optax_sparse_adam._optax.step_checks import (
   DenseLeaves,
@@ -89,51 +89,60 @@ def step_leaves(
   """Steps every parameter whose gradient is not None: `(updates, tables, steps)` per leaf.
 
   A None gradient leaves its parameter's tables and step as they are (update None);
-  a dense gradient (checked by `check_grad_leaves`) steps every element under
-  `dense_config` (`leaf.dense_leaf_step`) and its update is dense.
+  the BCOO gradients are stepped together (`table_steps.masked_leaf_steps`: on
+  accelerators their tables share one sort); a dense gradient (checked by
+  `check_grad_leaves`) steps every element under `dense_config`
+  (`leaf.dense_leaf_step`) and its update is dense.
   """
   new_updates: list[Any] = []
   new_tables: list[rules.Tables] = []
   new_steps: list[Any] = []
-  for (path, grad), leaf_tables, step in zip(grads_with_path, tables, steps, strict=True):
-    if grad is None:
+  sparse_leaves: list[int] = []  # stepped together below (table_steps)
+  for k, ((path, grad), leaf_tables, step) in enumerate(
+    zip(grads_with_path, tables, steps, strict=True)
+  ):
+    if grad is None or isinstance(grad, sparse.BCOO):
+      if grad is not None:
+        sparse_leaves.append(k)
       new_updates.append(None)
       new_tables.append(leaf_tables)
       new_steps.append(step)
       continue
-    if not isinstance(grad, sparse.BCOO):
-      assert dense_config is not None  # check_grad_leaves refused it otherwise
-      dense_result = leaf.dense_leaf_step(
-        grad,
-        leaf_tables,
-        step,
-        rule=rule,
-        config=dense_config,
-        hyper=hyper,
-        path=path,
-        opaque_zero=opaque_zero,
-      )
-      new_updates.append(dense_result.update)
-      new_tables.append(dense_result.tables)
-      new_steps.append(dense_result.step)
-      continue
-    result = leaf.masked_leaf_step(
+    assert dense_config is not None  # check_grad_leaves refused it otherwise
+    dense_result = leaf.dense_leaf_step(
       grad,
       leaf_tables,
       step,
       rule=rule,
-      config=config,
+      config=dense_config,
       hyper=hyper,
       path=path,
       opaque_zero=opaque_zero,
-      # The update carries the gradient's BCOO metadata, so updates keep the gradients'
-      # tree structure: lax.cond wrappers such as optax.apply_if_finite need both branches
-      # to match.
-      update_flags=(grad.indices_sorted, grad.unique_indices),
     )
-    new_updates.append(result.update)
-    new_tables.append(result.tables)
-    new_steps.append(result.step)
+    new_updates.append(dense_result.update)
+    new_tables.append(dense_result.tables)
+    new_steps.append(dense_result.step)
+  results = table_steps.masked_leaf_steps(
+    [
+      table_steps.SparseLeaf(
+        grads_with_path[k][0],
+        grads_with_path[k][1],
+        tables[k],
+        steps[k],
+        # The update carries the gradient's BCOO metadata, so updates keep the gradients'
+        # tree structure: lax.cond wrappers such as optax.apply_if_finite need both
+        # branches to match.
+        (grads_with_path[k][1].indices_sorted, grads_with_path[k][1].unique_indices),
+      )
+      for k in sparse_leaves
+    ],
+    rule=rule,
+    config=config,
+    hyper=hyper,
+    opaque_zero=opaque_zero,
+  )
+  for k, result in zip(sparse_leaves, results, strict=True):
+    new_updates[k], new_tables[k], new_steps[k] = result.update, result.tables, result.step
   return new_updates, new_tables, new_steps
 
 

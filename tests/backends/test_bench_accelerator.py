@@ -22,3 +22,14 @@ def test_small_run_prints_every_row(capsys):
   assert "flat in V" in out
   assert "effective bandwidth" in out
   assert "dense/sparse" in out or "flax is not installed" in out
+
+
+@pytest.mark.slow
+def test_table_batched_benchmark_small_run_prints_every_path(capsys):
+  """`bench_tables --batched --small` (issue 42): each path's row and the ratio."""
+  from benchmarks import bench_tables
+
+  bench_tables.main(["--batched", "--small", "--steps", "2", "--repeats", "1"])
+  out = capsys.readouterr().out
+  assert "| tables batched (one sort) |" in out and "| each table alone |" in out
+  assert "each table alone / tables batched:" in out
