@@ -23,7 +23,7 @@ from jax import lax
 from optax_sparse_adam._backends import accelerator, choice, xla
 from optax_sparse_adam._backends.cpu import kernels
 from optax_sparse_adam._backends.protocol import StepBackend
-from optax_sparse_adam._core import coalesce
+from optax_sparse_adam._core import bcoo, coalesce
 from optax_sparse_adam._core.bcoo import RowLayout
 from optax_sparse_adam._core.rules import RowsStep, StepInputs, StepPlan
 
@@ -49,7 +49,8 @@ def masked_step(inputs: StepInputs, plan: StepPlan) -> RowsStep:
   generic = bound(xla.masked_step)
   on_cpu = generic
   if kernels.step_applies(inputs, plan):  # the rule's fused kernel
-    on_cpu = bound(kernels.masked_step)
+    rounds = plan.config.param_rounding == "stochastic"
+    on_cpu = bound(_kernel_then_rounded if rounds else kernels.masked_step)
   elif all(
     kernels.store_applies(table, nse=inputs.rows.shape[0], num_rows=plan.layout.num_rows)
     for table in inputs.tables.slots.values()
@@ -68,6 +69,27 @@ def masked_step(inputs: StepInputs, plan: StepPlan) -> RowsStep:
     accelerator=bound(accelerator.masked_step),
     generic=generic,
   )
+
+
+def _kernel_then_rounded(inputs: StepInputs, plan: StepPlan) -> RowsStep:
+  """The fused kernel's step, then its rows `w + delta` rounded stochastically by XLA ops.
+
+  The kernel computes the delta `xla.masked_step` computes (bit for bit), which
+  `xla.rounded_param_rows` turns into the same rounded rows as the XLA path.
+  """
+  nearest = plan._replace(config=plan.config._replace(param_rounding="nearest"))
+  result = kernels.masked_step(inputs, nearest)
+  param = inputs.tables.param
+  assert param is not None  # the optax layer keeps it for the rounding
+  param_rows = bcoo.gather_rows(bcoo.as_rows(param, plan.layout), result.rows)
+  new_rows = xla.rounded_param_rows(
+    inputs,
+    plan,
+    result.rows,
+    param_rows.astype(plan.config.compute_dtype),
+    result.delta.astype(plan.config.compute_dtype),
+  )
+  return result._replace(delta=new_rows)
 
 
 def _kernel_store(layout: RowLayout) -> xla.RowStore:

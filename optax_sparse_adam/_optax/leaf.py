@@ -25,7 +25,7 @@ from jax.experimental import sparse
 from jax.sharding import PartitionSpec
 
 from optax_sparse_adam._backends import dispatch
-from optax_sparse_adam._core import bcoo, row_update
+from optax_sparse_adam._core import bcoo, rounding, row_update
 from optax_sparse_adam._core.errors import is_python_number, path_str
 from optax_sparse_adam._core.row_rules import adam
 from optax_sparse_adam._core.row_rules.adam import AdamCoefficients, AdamRule, LeafState
@@ -38,6 +38,7 @@ from optax_sparse_adam._core.rules import (
   WeightDecay,
   reads_param,
   sets_rows,
+  stores_rows,
 )
 from optax_sparse_adam._core.set_rows import SetRowsUpdate, as_set_rows
 from optax_sparse_adam._core.sharded import auto_partition, routed, sharding
@@ -175,12 +176,27 @@ def masked_leaf_step(
   layout = bcoo.row_layout(grad, param_shape, path)
   grad = row_update.verified(grad, path, what="gradient")
   _check_tables(tables, layout, config, path, rule)
+  if tables.param is not None:
+    # Stochastic rounding where the table is 16-bit; wider ones hold w + delta as computed.
+    config = config._replace(
+      param_rounding=rounding.check_param_rounding(config.param_rounding, tables.param.dtype, path)
+    )
+  if config.param_rounding == "stochastic" and step is None:
+    raise ValueError(
+      f"param_rounding='stochastic' of the parameter at {path_str(path)} keys its random "
+      "bits on the parameter's step count, and this step was given none."
+    )
   compute_dtype = jnp.result_type(
     jnp.float32, grad.dtype, *(table.dtype for table in tables.slots.values())
   )
   plan = StepPlan(layout, rule, config._replace(compute_dtype=jnp.dtype(compute_dtype)))
-  sets = sets_rows(rule)
-  if config.weight_decay == "none" and config.max_norm is None and not uses_param(rule):
+  sets = stores_rows(rule, plan.config)
+  if (
+    config.weight_decay == "none"
+    and config.max_norm is None
+    and not uses_param(rule)
+    and config.param_rounding == "nearest"
+  ):
     tables = tables._replace(param=None)
   new_step = None if step is None else optax.safe_increment(step)
   indices_sorted, unique_indices = update_flags
@@ -191,8 +207,9 @@ def masked_leaf_step(
   update_specs = (PartitionSpec(), PartitionSpec())
   in_optax_apply_if_finite = _inside_optax_apply_if_finite()
   if in_optax_apply_if_finite and sets:
+    who = f"the {rule.name!r} rule sets" if sets_rows(rule) else "param_rounding='stochastic' sets"
     raise ValueError(
-      f"the {rule.name!r} rule sets the rows of the parameter at {path_str(path)}, and "
+      f"{who} the rows of the parameter at {path_str(path)}, and "
       "optax.apply_if_finite's rejecting branch is zeros like the gradient: stored as "
       "rows, they would zero the touched rows. Use osa.sparse_apply_if_finite, whose "
       "skipped step stores nothing."
@@ -281,9 +298,10 @@ def uses_param(rule: RowRule) -> bool:
 
 
 class DenseLeafStep(NamedTuple):
-  """What `dense_leaf_step` returns: the dense update, the new step count and tables."""
+  """What `dense_leaf_step` returns: the dense update (a `SetRowsUpdate` of every row where
+  the parameter's rows are rounded stochastically), the new step count and tables."""
 
-  update: jax.Array
+  update: jax.Array | SetRowsUpdate
   step: jax.Array | None
   tables: Tables
 
@@ -349,6 +367,15 @@ def dense_leaf_step(
     path=path,
     opaque_zero=opaque_zero,
   )
+  if isinstance(result.update, SetRowsUpdate):
+    # Rows rounded stochastically (param_rounding): every row's new value, stored by
+    # the apply; a dense delta would be rounded again when added.
+    if shape != view:
+      raise ValueError(
+        f"param_rounding='stochastic' rounds rows, and the parameter at {path_str(path)} "
+        f"is 0-d ({grad.dtype} gradient): keep it in float32, or use param_rounding='nearest'."
+      )
+    return DenseLeafStep(result.update, result.step, result.tables)
   # Each row once: set, not add, keeps the deltas' bits (a -0.0 included); padding dropped.
   update_rows = bcoo.linear_rows(result.update.indices, bcoo.row_layout(result.update, view))
   update = (
@@ -382,6 +409,7 @@ def _check_tables(
     (config.weight_decay != "none", "weight decay"),
     (config.max_norm is not None, "max_norm"),
     (uses_param(rule), f"the {rule.name!r} rule, which reads its rows"),
+    (config.param_rounding == "stochastic", "param_rounding='stochastic', which rounds its rows"),
   ):
     if needed and tables.param is None:
       raise ValueError(
