@@ -6,8 +6,11 @@ optimizer state `opt.init` makes fit the budget (`--budget-gib`, default 8 GiB):
 - full: `sparse_adam()` (m and v float32, torch's SparseAdam state);
 - lean: `rowwise_second_moment=True`, `mu_dtype=nu_dtype=bfloat16`,
   `moment_rounding="stochastic"` (a bf16 m and one bf16 v per row);
-- rowwise_adagrad_bf16: `sparse_rowwise_adagrad` on a bfloat16 table,
-  `param_rounding="stochastic"` (2D + 4 bytes a row);
+- rowwise_adagrad_bf16: row-wise Adagrad on a bfloat16 table,
+  `param_rounding="stochastic"`, its per-row sum in float32
+  (`sparse_rule_transformation(RowwiseAdagradRule(), ..., slot_dtypes={"sum":
+  jnp.float32})`; `sparse_rowwise_adagrad` keeps it in the table's dtype): 2D +
+  4 bytes a row;
 - adam_bf16_lean: `sparse_adam` on a bfloat16 table with a bf16 m and one
   float32 v per row, both roundings stochastic (4D + 4 bytes a row).
 
@@ -53,7 +56,7 @@ SETTINGS = {
   # row-wise Adagrad (one float32 sum a row), 4D + 4 for Adam with a bf16 m and one
   # float32 v a row.
   "rowwise_adagrad_bf16": {
-    "optimizer": "sparse_rowwise_adagrad",
+    "optimizer": "rowwise_adagrad_f32_sum",
     "table_dtype": "bfloat16",
     "param_rounding": "stochastic",
   },
@@ -94,7 +97,20 @@ def child(setting: str, budget_gib: float, dim: int, batch: int, steps: int, xla
 
   stages = {"imports": memory_status()}
   options = dict(SETTINGS[setting])
-  make = getattr(osa, options.pop("optimizer", "sparse_adam"))
+  optimizer = options.pop("optimizer", "sparse_adam")
+  if optimizer == "rowwise_adagrad_f32_sum":  # sparse_rowwise_adagrad, its sum in float32
+
+    def make(lr, **kw):
+      return osa.sparse_rule_transformation(
+        osa.RowwiseAdagradRule(),
+        osa.RowwiseAdagradHyperparams(lr),
+        slot_dtypes={"sum": jnp.float32},
+        name="sparse_rowwise_adagrad",
+        **kw,
+      )
+
+  else:
+    make = getattr(osa, optimizer)
   table_dtype = jnp.dtype(options.pop("table_dtype", "float32"))
   opt = make(1e-2, **options)
 

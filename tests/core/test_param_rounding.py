@@ -23,7 +23,8 @@ import optax_sparse_adam as osa
 from optax_sparse_adam._backends import choice
 from optax_sparse_adam._backends.cpu import kernels
 from optax_sparse_adam._core import rounding
-from tests._helpers import train_step
+from tests._helpers import dense_table_temporaries, train_step
+from tests.backends.test_accelerator import _walk
 
 PATHS = ["default", "xla_ops", "accelerator"]
 NARROW = [jnp.bfloat16, jnp.float16]
@@ -347,3 +348,24 @@ def test_slot_marker_is_not_a_moment_pair():
   """The parameter's stream is its own: slot -1's key differs from every pair's at a step."""
   keys = {int(rounding.step_key(jnp.int32(5), p)) for p in range(0, 16, 2)}
   assert int(rounding.step_key(jnp.int32(5), rounding.PARAM_SLOT)) not in keys
+
+
+def test_no_table_sized_temporary_on_the_cpu_nor_lowered_for_cuda():
+  """The donated step of a bf16 table writes it in place on the CPU (kernel or row store);
+  lowered for CUDA, the table is written by one scatter (the apply's set) and nothing else."""
+  rows, dim = 100_003, 8  # a prime no other dimension uses
+  params = {"t": jnp.zeros((rows, dim), jnp.bfloat16)}
+  opt = osa.sparse_adam(
+    1e-3, mu_dtype=jnp.float32, nu_dtype=jnp.float32, param_rounding="stochastic"
+  )
+  grads = {"t": _grad([1, 5, 5, 99_999], dim, rows)}
+  jitted = jax.jit(train_step(opt), donate_argnums=(0, 1))
+  compiled = jitted.lower(params, opt.init(params), grads).compile()
+  assert dense_table_temporaries(compiled, f"bf16[{rows},{dim}]", num_donated=1) == []
+  lowered = jitted.trace(params, opt.init(params), grads).lower(lowering_platforms=("cuda",))
+  writes: dict[str, int] = {}
+  for op in _walk(lowered.compiler_ir("stablehlo").operation):
+    if any(str(result.type) == f"tensor<{rows}x{dim}xbf16>" for result in op.results):
+      writes[op.name] = writes.get(op.name, 0) + 1
+  assert writes.get("stablehlo.scatter") == 1, writes
+  assert set(writes) <= {"stablehlo.scatter", "stablehlo.case", "func.call"}, writes
