@@ -59,7 +59,12 @@ finite value of the dtype is stored as that value, with `x`'s sign (saturated:
 float16's is 65504, small enough for an update to reach; a cast to nearest
 would store inf, and the next step NaN); NaN and inf are stored as a cast
 stores them. The step keys on `t`, the parameter's step count after the step,
-as the moments' do.
+as the moments' do. (The float16 bits operate on `|x|` and take `x`'s sign
+back; for bfloat16 adding to the signed word is the same.) The rows are rounded
+by these XLA ops on every path: after the fused CPU kernel's step (its delta is
+the XLA ops' delta, bit for bit), inside `xla.masked_step` on the other paths;
+the row-store kernel (`row_store.cc`) and the apply's scatter only move the
+rounded bits.
 """
 
 from __future__ import annotations
