@@ -13,6 +13,9 @@ values from a gradient with B Zipf-drawn ids (popular rows repeat):
   runs as XLA ops and their slots are stored by the generic row-store kernel;
 - `sparse_adam` and `sparse_ftrl` on bfloat16 and float16 tables (the gradient
   in the table's dtype), beside the float32 table in the same run;
+- `sparse_adam` (float32 moments) and `sparse_rowwise_adagrad` on 16-bit tables
+  rounded stochastically (`param_rounding="stochastic"`), the gradient in the
+  table's dtype or in float32 (`--tables-only` times just these);
 - torch.optim.SGD, Adagrad and SparseAdam `.step()` on the same sparse gradients
   (if torch is installed).
 
@@ -83,16 +86,31 @@ TABLE_DTYPES = [
   ),
   ("sparse_ftrl", lambda: osa.sparse_ftrl(1e-2)),
 ]
+# 16-bit tables rounded stochastically (`param_rounding`), beside the float32 table: the
+# gradient in the table's dtype, or float32 (rows read in float32: the fused kernels run).
+STOCHASTIC_TABLES = [
+  (
+    "sparse_adam f32 moments, stochastic",
+    lambda: osa.sparse_adam(
+      1e-3, mu_dtype="float32", nu_dtype="float32", param_rounding="stochastic"
+    ),
+  ),
+  (
+    "sparse_rowwise_adagrad, stochastic",
+    lambda: osa.sparse_rowwise_adagrad(1e-2, param_rounding="stochastic"),
+  ),
+]
 
 
 class _TableStepper(_Stepper):
   """`_Stepper` over a table (and gradient) of another dtype."""
 
-  def __init__(self, opt, num_rows, grads, dtype, *, cpu_kernels=True):
+  def __init__(self, opt, num_rows, grads, dtype, *, cpu_kernels=True, grad_dtype=None):
     cast = [
       {
         "table": sparse.BCOO(
-          (g["table"].data.astype(dtype), g["table"].indices), shape=g["table"].shape
+          (g["table"].data.astype(grad_dtype or dtype), g["table"].indices),
+          shape=g["table"].shape,
         )
       }
       for g in grads
@@ -135,13 +153,37 @@ class _TorchStepper:
       return (time.perf_counter() - start) / n
 
 
-def time_rules(ids, values, num_rows, *, steps, rounds, use_torch=True):
+def time_tables(grads, num_rows, default, *, steps, rounds):
+  """`(name, ratios)` of the 16-bit tables rounded stochastically, and the float32 table."""
+  results = []
+  for name, make in STOCHASTIC_TABLES:
+    for dtype, grad_dtype in (
+      (jnp.float32, None),
+      (jnp.bfloat16, None),
+      (jnp.float16, None),
+      (jnp.bfloat16, jnp.float32),
+      (jnp.float16, jnp.float32),
+    ):
+      stepper = _TableStepper(make(), num_rows, grads, dtype, grad_dtype=grad_dtype)
+      label = f"{name}, {jnp.dtype(dtype).name} table"
+      if grad_dtype is not None:
+        label += ", f32 gradient"
+      results.append((label, _times(stepper, default, rounds=rounds, steps=steps)))
+      del stepper
+  return results
+
+
+def time_rules(ids, values, num_rows, *, steps, rounds, use_torch=True, tables_only=False):
   """`(name, ratios)`: each step's per-round ratios to the `sparse_adam` kernel step."""
   dim = values[0].shape[1]
   grads = [
     {"table": sparse.BCOO((jnp.asarray(v), jnp.asarray(i)[:, None]), shape=(num_rows, dim))}
     for i, v in zip(ids, values, strict=True)
   ]
+  if tables_only:
+    default = _Stepper(osa.sparse_adam(1e-3), num_rows, grads)
+    results = [("sparse_adam (CPU kernels)", [(1.0, 1.0)])]
+    return results + time_tables(grads, num_rows, default, steps=steps, rounds=rounds)
   rows = [
     ("sparse_adam (XLA ops)", osa.sparse_adam(1e-3), False),
     ("sparse_adam rowwise (CPU kernels)", osa.sparse_adam(1e-3, rowwise_second_moment=True), True),
@@ -163,6 +205,7 @@ def time_rules(ids, values, num_rows, *, steps, rounds, use_torch=True):
       label = f"{name}, {jnp.dtype(dtype).name} table"
       results.append((label, _times(stepper, default, rounds=rounds, steps=steps)))
       del stepper
+  results += time_tables(grads, num_rows, default, steps=steps, rounds=rounds)
   if use_torch and c.torch is not None:
     optim = c.torch.optim
     for name, make in (
@@ -190,6 +233,9 @@ def main(argv=None) -> None:
   parser.add_argument("--steps", type=int, default=20, help="steps per timed run")
   parser.add_argument("--rounds", type=int, default=7, help="interleaved rounds per step")
   parser.add_argument("--quick", action="store_true", help="V = 100k, 10 steps, 3 rounds")
+  parser.add_argument(
+    "--tables-only", action="store_true", help="only the 16-bit tables rounded stochastically"
+  )
   args = parser.parse_args(argv)
   if args.quick:
     args.vocab, args.steps, args.rounds = 100_000, 10, 3
@@ -198,7 +244,11 @@ def main(argv=None) -> None:
   print(f"{c.machine()}; V={args.vocab:,} D={args.dim} B={args.batch} (Zipf ids)")
   print(f"jax {jax.__version__}, CPU kernels available: {osa.cpu_kernels_available()}")
   print(f"median (range) of {args.rounds} interleaved rounds of {args.steps} steps each")
-  print_ratios(time_rules(ids, values, args.vocab, steps=args.steps, rounds=args.rounds))
+  print_ratios(
+    time_rules(
+      ids, values, args.vocab, steps=args.steps, rounds=args.rounds, tables_only=args.tables_only
+    )
+  )
 
 
 if __name__ == "__main__":

@@ -32,6 +32,11 @@ Run from the repository root:
   python -m benchmarks.catch_up_quality                    # 4 recipes, 3 seeds, ~1 min
   python -m benchmarks.catch_up_quality --plot             # and docs/catch_up_curves.png
   python -m benchmarks.catch_up_quality --recipes mf mf_convex --step-only
+  python -m benchmarks.catch_up_quality --recipes mf node2vec --bf16-tables
+
+With `--bf16-tables` it also trains lazy Adam (float32 moments) on bfloat16
+tables read in float32: rounded to nearest (the default) and stochastically
+(`param_rounding="stochastic"`).
 """
 
 import argparse
@@ -78,6 +83,15 @@ def check_dense_adam() -> float:
   return float(jnp.max(jnp.abs(p_ours["t"] - p_dense["t"])))
 
 
+# With --bf16-tables: lazy Adam (float32 moments) on bfloat16 tables, read in float32,
+# rounded to nearest or stochastically (`param_rounding`).
+BF16_KINDS = {"lazy, bf16 table": "nearest", "lazy, bf16 table, stochastic": "stochastic"}
+
+
+def as_float32(tables: dict) -> dict:
+  return {name: t.astype(jnp.float32) for name, t in tables.items()}
+
+
 def make_step(recipe: recipes.Recipe, kind: str, opt, other_opt):
   """One jitted training step of `recipe`'s tables under `kind`, its other parameters by adam."""
   shapes = {name: t.shape for name, t in recipe.tables.items()}
@@ -85,7 +99,8 @@ def make_step(recipe: recipes.Recipe, kind: str, opt, other_opt):
   def step(tables, other, state, other_state, constants, batch):
     if kind == "catch-up":
       tables, state = osa.catch_up_rows(opt, tables, state, recipe.batch_ids(batch))
-    loss, row_grads, other_grads = recipe.loss_and_row_grads(tables, other, constants, batch)
+    read = as_float32(tables) if kind in BF16_KINDS else tables
+    loss, row_grads, other_grads = recipe.loss_and_row_grads(read, other, constants, batch)
     if kind == "dense":
       grads = {n: jnp.zeros(shapes[n]).at[i].add(g) for n, (i, g) in row_grads.items()}
       updates, state = opt.update(grads, state, tables)
@@ -105,6 +120,8 @@ def make_step(recipe: recipes.Recipe, kind: str, opt, other_opt):
 def train(recipe: recipes.Recipe, kind: str, step, opt, other_opt, every: int):
   """Snapshots of the tables and the metric every `every` steps; the final scores."""
   tables, other = jax.tree.map(jnp.copy, (recipe.tables, recipe.other))
+  if kind in BF16_KINDS:
+    tables = {name: t.astype(jnp.bfloat16) for name, t in tables.items()}
   state = opt.init(tables)
   other_state = other_opt.init(other) if other is not None else None
   metric = jax.jit(recipe.metric) if recipe.metric else None
@@ -118,6 +135,7 @@ def train(recipe: recipes.Recipe, kind: str, step, opt, other_opt, every: int):
       seen = tables
       if kind.startswith("catch-up"):
         seen = osa.catch_up_all_rows(opt, tables, state)[0]
+      seen = as_float32(seen)
       snapshots.append(jax.tree.map(np.asarray, seen))
       metrics.append(float(metric(seen, other)) if metric else float(np.mean(losses[-every:])))
   scores = recipe.final_scores(snapshots[-1], other) if recipe.final_scores else {}
@@ -147,6 +165,8 @@ def run_recipe(name: str, args) -> dict:
   kinds = ["lazy", "catch-up", "dense"]
   if args.step_only:
     kinds.insert(1, "catch-up at the step only")
+  if args.bf16_tables:
+    kinds[1:1] = list(BF16_KINDS)
   steps_of = {
     "mf": args.mf_steps,
     "mf_convex": args.mf_steps,
@@ -166,9 +186,15 @@ def run_recipe(name: str, args) -> dict:
     recipe = builders[name](seed)
     for kind in ["dense"] + [k for k in kinds if k != "dense"]:  # dense first: the reference
       if kind not in steppers:  # one step function per kind: the seeds reuse its compilation
-        opt = dense_adam(recipe.lr) if kind == "dense" else osa.sparse_adam(
-          recipe.lr, catch_up_idle_rows=kind.startswith("catch-up")
-        )  # fmt: skip
+        if kind in BF16_KINDS:
+          opt = osa.sparse_adam(
+            recipe.lr, mu_dtype=jnp.float32, nu_dtype=jnp.float32,
+            param_rounding=BF16_KINDS[kind],
+          )  # fmt: skip
+        else:
+          opt = dense_adam(recipe.lr) if kind == "dense" else osa.sparse_adam(
+            recipe.lr, catch_up_idle_rows=kind.startswith("catch-up")
+          )  # fmt: skip
         other_opt = optax.adam(recipe.lr)
         steppers[kind] = (make_step(recipe, kind, opt, other_opt), opt, other_opt)
       snapshots, metrics, scores = train(recipe, kind, *steppers[kind], every)
@@ -212,6 +238,11 @@ def main(argv=None) -> None:
   parser.add_argument("--graph", default="les_miserables", help="node2vec's graph")
   parser.add_argument("--points", type=int, default=20, help="measurements per run")
   parser.add_argument("--step-only", action="store_true", help="also catch-up at the step only")
+  parser.add_argument(
+    "--bf16-tables",
+    action="store_true",
+    help="also lazy Adam on bfloat16 tables, rounded to nearest and stochastically",
+  )
   parser.add_argument(
     "--plot",
     nargs="?",

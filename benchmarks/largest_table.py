@@ -1,11 +1,21 @@
 """The largest embedding table that trains in a memory budget: full Adam against the leanest state.
 
-For each setting the rows V are the most whose float32 table (V x D) plus the
+For each setting the rows V are the most whose table (V x D) plus the
 optimizer state `opt.init` makes fit the budget (`--budget-gib`, default 8 GiB):
 
 - full: `sparse_adam()` (m and v float32, torch's SparseAdam state);
 - lean: `rowwise_second_moment=True`, `mu_dtype=nu_dtype=bfloat16`,
-  `moment_rounding="stochastic"` (a bf16 m and one bf16 v per row).
+  `moment_rounding="stochastic"` (a bf16 m and one bf16 v per row);
+- rowwise_adagrad_bf16: row-wise Adagrad on a bfloat16 table,
+  `param_rounding="stochastic"`, its per-row sum in float32
+  (`sparse_rule_transformation(RowwiseAdagradRule(), ..., slot_dtypes={"sum":
+  jnp.float32})`; `sparse_rowwise_adagrad` keeps it in the table's dtype): 2D +
+  4 bytes a row;
+- adam_bf16_lean: `sparse_adam` on a bfloat16 table with a bf16 m and one
+  float32 v per row, both roundings stochastic (4D + 4 bytes a row).
+
+A 16-bit table's rows are read in float32 (the loss and the gradient are
+float32), as a mixed-precision model reads them.
 
 Each setting runs in its own process (one after the other, never in parallel),
 so the peak resident set of one does not hide in the other's. The process
@@ -42,6 +52,22 @@ SETTINGS = {
     "nu_dtype": "bfloat16",
     "moment_rounding": "stochastic",
   },
+  # 16-bit tables, rounded stochastically (`param_rounding`): 2D + 4 bytes a row for
+  # row-wise Adagrad (one float32 sum a row), 4D + 4 for Adam with a bf16 m and one
+  # float32 v a row.
+  "rowwise_adagrad_bf16": {
+    "optimizer": "rowwise_adagrad_f32_sum",
+    "table_dtype": "bfloat16",
+    "param_rounding": "stochastic",
+  },
+  "adam_bf16_lean": {
+    "table_dtype": "bfloat16",
+    "rowwise_second_moment": True,
+    "mu_dtype": "bfloat16",
+    "nu_dtype": "float32",
+    "moment_rounding": "stochastic",
+    "param_rounding": "stochastic",
+  },
 }
 GIB = 2**30
 
@@ -70,19 +96,35 @@ def child(setting: str, budget_gib: float, dim: int, batch: int, steps: int, xla
   import optax_sparse_adam as osa
 
   stages = {"imports": memory_status()}
-  opt = osa.sparse_adam(1e-2, **SETTINGS[setting])
+  options = dict(SETTINGS[setting])
+  optimizer = options.pop("optimizer", "sparse_adam")
+  if optimizer == "rowwise_adagrad_f32_sum":  # sparse_rowwise_adagrad, its sum in float32
+
+    def make(lr, **kw):
+      return osa.sparse_rule_transformation(
+        osa.RowwiseAdagradRule(),
+        osa.RowwiseAdagradHyperparams(lr),
+        slot_dtypes={"sum": jnp.float32},
+        name="sparse_rowwise_adagrad",
+        **kw,
+      )
+
+  else:
+    make = getattr(osa, optimizer)
+  table_dtype = jnp.dtype(options.pop("table_dtype", "float32"))
+  opt = make(1e-2, **options)
 
   def state_bytes(rows):
-    shape = {"table": jax.ShapeDtypeStruct((rows, dim), jnp.float32)}
+    shape = {"table": jax.ShapeDtypeStruct((rows, dim), table_dtype)}
     return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(jax.eval_shape(opt.init, shape)))
 
   # State bytes grow linearly in the rows (plus a few scalars): two probes find the rate.
   per_row = (state_bytes(2_000_000) - state_bytes(1_000_000)) / 1_000_000
   fixed = state_bytes(1_000_000) - per_row * 1_000_000
-  rows = int((budget_gib * GIB - fixed) // (4 * dim + per_row))
-  table_bytes, opt_bytes = 4 * rows * dim, state_bytes(rows)
+  rows = int((budget_gib * GIB - fixed) // (table_dtype.itemsize * dim + per_row))
+  table_bytes, opt_bytes = table_dtype.itemsize * rows * dim, state_bytes(rows)
 
-  params = {"table": jax.jit(lambda: jnp.full((rows, dim), 0.01, jnp.float32))()}
+  params = {"table": jax.jit(lambda: jnp.full((rows, dim), 0.01, table_dtype))()}
   jax.block_until_ready(params)
   stages["table"] = memory_status()
   state = opt.init(params)
@@ -95,11 +137,12 @@ def child(setting: str, budget_gib: float, dim: int, batch: int, steps: int, xla
     ids = ((rng.zipf(1.2, batch) - 1) * 7919 % rows).astype(np.int32)  # hot ids spread out
     batches.append((jnp.asarray(ids), jnp.asarray(rng.normal(size=batch), jnp.float32)))
 
-  def loss_of_rows(rows_, targets):
-    return jnp.mean((jnp.sum(rows_, axis=1) - targets) ** 2)
+  def loss_of_rows(rows_, targets):  # rows read in float32 (a 16-bit table's too)
+    return jnp.mean((jnp.sum(rows_.astype(jnp.float32), axis=1) - targets) ** 2)
 
   def step(params, state, ids, targets):
-    loss, row_grads = jax.value_and_grad(loss_of_rows)(params["table"][ids], targets)
+    rows_ = params["table"][ids].astype(jnp.float32)
+    loss, row_grads = jax.value_and_grad(loss_of_rows)(rows_, targets)
     grads = {"table": sparse.BCOO((row_grads, ids[:, None]), shape=(rows, dim))}
     updates, state = opt.update(grads, state, params)
     return osa.apply_updates(params, updates), state, loss
@@ -131,6 +174,7 @@ def child(setting: str, budget_gib: float, dim: int, batch: int, steps: int, xla
     "rows": rows,
     "dim": dim,
     "state_bytes_per_row": per_row,
+    "table_bytes_per_row": table_dtype.itemsize * dim,
     "table_bytes": table_bytes,
     "state_bytes": opt_bytes,
     "budget_bytes": budget_gib * GIB,
@@ -168,7 +212,7 @@ def main(argv=None) -> None:
 
   print(
     f"# largest table in {args.budget_gib:g} GiB (table + optimizer state): D={args.dim}, "
-    f"float32 table, {args.steps} donated steps of {args.batch} Zipf ids, one process each, "
+    f"{args.steps} donated steps of {args.batch} Zipf ids, one process each, "
     + ("XLA ops" if args.xla_ops else "the fused CPU kernels where they apply")
   )
   results = {}
@@ -183,18 +227,26 @@ def main(argv=None) -> None:
     results[setting] = json.loads(done.stdout.strip().splitlines()[-1])
 
   print(
-    "\n| setting | rows | state B/row | table + state | peak RSS | peak - budget | steps/s "
-    "| loss first batch, before -> after | touched rows moved | untouched row kept |"
+    "\n| setting | rows | table + state B/row | table + state | peak RSS | peak - budget "
+    "| steps/s | loss first batch, before -> after | touched rows moved | untouched row kept "
+    "| rows / full's |"
   )
-  print("|---|---:|---:|---:|---:|---:|---:|---|---:|---|")
+  print("|---|---:|---:|---:|---:|---:|---:|---|---:|---|---:|")
+
+  def ratio(name):
+    if "full" not in results:
+      return "-"
+    return f"{results[name]['rows'] / results['full']['rows']:.2f}x"
+
   for name, r in results.items():
     used = r["table_bytes"] + r["state_bytes"]
     peak = r["stages"]["steps"]["VmHWM"]
     print(
-      f"| {name} | {r['rows']:,} | {r['state_bytes_per_row']:.0f} | {used / GIB:.2f} GiB "
+      f"| {name} | {r['rows']:,} | {r['table_bytes_per_row'] + r['state_bytes_per_row']:.0f} "
+      f"| {used / GIB:.2f} GiB "
       f"| {peak / GIB:.2f} GiB | {(peak - used) / GIB:+.2f} GiB | {r['steps_per_second']:.3g} "
       f"| {r['loss_before']:.4f} -> {r['loss_after']:.4f} | {r['touched_rows_moved']:.0%} "
-      f"| {r['untouched_row_kept']} |"
+      f"| {r['untouched_row_kept']} | {ratio(name)} |"
     )
   print("\npeak resident set (VmHWM) after each stage, GiB:")
   for name, r in results.items():
@@ -202,8 +254,8 @@ def main(argv=None) -> None:
     path = "CPU kernels" if r["cpu_kernels"] else "XLA ops"
     print(f"  {name} ({path}): {stages}")
   if "full" in results and "lean" in results:
-    ratio = results["lean"]["rows"] / results["full"]["rows"]
-    print(f"\nrows(lean) / rows(full) = {ratio:.2f}x")
+    lean_ratio = results["lean"]["rows"] / results["full"]["rows"]
+    print(f"\nrows(lean) / rows(full) = {lean_ratio:.2f}x")
 
 
 if __name__ == "__main__":

@@ -14,13 +14,17 @@ metric over training (`--plot` draws it: mean and min..max over seeds):
 
 Settings: full (the default), rowwise (`rowwise_second_moment=True`), bf16
 (`mu_dtype=nu_dtype=bfloat16`, rounded to nearest), bf16_sr (the same,
-`moment_rounding="stochastic"`) and rowwise_bf16_sr (both). A seed sets the data,
-the initial weights and the batches.
+`moment_rounding="stochastic"`), rowwise_bf16_sr (both), and for matrix
+factorisation the tables themselves in bfloat16 (float32 moments): table_bf16
+(rounded to nearest) and table_bf16_sr (`param_rounding="stochastic"`). A seed
+sets the data, the initial weights and the batches.
 
   python -m benchmarks.lean_state_quality             # 3 seeds, about 3 minutes
   python -m benchmarks.lean_state_quality --plot      # and docs/lean_state_curves.png
   python -m benchmarks.lean_state_quality --seeds 1   # one seed
   python -m benchmarks.lean_state_quality --json      # the figures as JSON
+  python -m benchmarks.lean_state_quality --recipes mf --settings table_bf16 table_bf16_sr \
+      --mf-lr 0.001 --seeds 1                         # 16-bit tables against float32
 """
 
 import argparse
@@ -50,14 +54,28 @@ SETTINGS = {
     "nu_dtype": jnp.bfloat16,
     "moment_rounding": "stochastic",
   },
+  # The table itself in bfloat16 (matrix factorisation only): rounded to nearest, or
+  # stochastically (`param_rounding`); both with float32 moments.
+  "table_bf16": {"table_dtype": jnp.bfloat16},
+  "table_bf16_sr": {"table_dtype": jnp.bfloat16, "param_rounding": "stochastic"},
 }
+# The settings a recipe cannot run: the DLRM's tables are float32 NNX modules.
+SKIPPED = {"dlrm": ("table_bf16", "table_bf16_sr")}
 
 
-def matrix_factorisation(seed: int, options: dict, *, steps: int = 1000, every: int = 50):
-  """Held-out RMSE of examples/train_embedding.py's recommender: final, and every `every` steps."""
+def matrix_factorisation(
+  seed: int, options: dict, *, steps: int = 1000, every: int = 50, lr: float = 0.01
+):
+  """Held-out RMSE of examples/train_embedding.py's recommender: final, and every `every` steps.
+
+  A `table_dtype` option stores both tables in it (rows read in float32: float32
+  math and gradients, the table's dtype for storage).
+  """
   import train_embedding as mf
 
-  n_users, n_items, dim, batch, lr = 50_000, 20_000, 32, 4096, 0.01
+  options = dict(options)
+  table_dtype = options.pop("table_dtype", jnp.float32)
+  n_users, n_items, dim, batch = 50_000, 20_000, 32, 4096
   rng = np.random.default_rng(seed)
   users, items, ratings = mf.make_ratings(rng, n_users, n_items, 8, 2_000_000)
   n_test = 100_000
@@ -65,8 +83,8 @@ def matrix_factorisation(seed: int, options: dict, *, steps: int = 1000, every: 
   train = (users[n_test:], items[n_test:], ratings[n_test:])
   key_u, key_i = jax.random.split(jax.random.key(seed))
   params = {
-    "users": 0.1 * jax.random.normal(key_u, (n_users, dim)),
-    "items": 0.1 * jax.random.normal(key_i, (n_items, dim)),
+    "users": (0.1 * jax.random.normal(key_u, (n_users, dim))).astype(table_dtype),
+    "items": (0.1 * jax.random.normal(key_i, (n_items, dim))).astype(table_dtype),
   }
   opt = osa.sparse_adam(learning_rate=lr, **options)
   state = opt.init(params)
@@ -75,7 +93,10 @@ def matrix_factorisation(seed: int, options: dict, *, steps: int = 1000, every: 
     return jnp.mean((jnp.sum(user_rows * item_rows, axis=-1) - ratings) ** 2)
 
   def step(params, state, user_ids, item_ids, ratings):
-    rows = params["users"][user_ids], params["items"][item_ids]
+    rows = (
+      params["users"][user_ids].astype(jnp.float32),
+      params["items"][item_ids].astype(jnp.float32),
+    )
     g_users, g_items = jax.grad(loss_of_rows, argnums=(0, 1))(*rows, ratings)
     grads = {
       "users": mf.row_gradient(g_users, user_ids, n_users),
@@ -86,7 +107,10 @@ def matrix_factorisation(seed: int, options: dict, *, steps: int = 1000, every: 
 
   @jax.jit
   def held_out_rmse(params):
-    rows = params["users"][test[0]], params["items"][test[1]]
+    rows = (
+      params["users"][test[0]].astype(jnp.float32),
+      params["items"][test[1]].astype(jnp.float32),
+    )
     return jnp.sqrt(loss_of_rows(*rows, test[2]))
 
   step = jax.jit(step, donate_argnums=(0, 1))
@@ -155,6 +179,10 @@ def main(argv=None) -> None:
   )
   parser.add_argument("--seeds", type=int, default=3, help="seeds 0 .. n-1")
   parser.add_argument("--json", action="store_true", help="print the figures as JSON only")
+  parser.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
+  parser.add_argument("--recipes", nargs="+", default=["mf", "dlrm"], choices=["mf", "dlrm"])
+  parser.add_argument("--mf-steps", type=int, default=1000, help="matrix factorisation's steps")
+  parser.add_argument("--mf-lr", type=float, default=0.01, help="matrix factorisation's lr")
   parser.add_argument(
     "--plot",
     nargs="?",
@@ -165,9 +193,18 @@ def main(argv=None) -> None:
   args = parser.parse_args(argv)
   seeds = list(range(args.seeds))
   start = time.perf_counter()
+  if "full" not in args.settings:
+    args.settings = ["full", *args.settings]  # the reference
+  keys = dict(zip(RECIPES, ("mf", "dlrm"), strict=True))
+  extra = {"mf": {"steps": args.mf_steps, "lr": args.mf_lr}, "dlrm": {}}
   runs = {
-    recipe: {name: [run(s, options) for s in seeds] for name, options in SETTINGS.items()}
+    recipe: {
+      name: [run(s, SETTINGS[name], **extra[keys[recipe]]) for s in seeds]
+      for name in args.settings
+      if name not in SKIPPED.get(keys[recipe], ())
+    }
     for recipe, run in RECIPES.items()
+    if keys[recipe] in args.recipes
   }
   results = {
     recipe: {name: [final for final, _, _ in r] for name, r in by_setting.items()}

@@ -25,7 +25,7 @@ from jax import lax
 from optax_sparse_adam._backends import accelerator, choice, table_batched, xla
 from optax_sparse_adam._backends.cpu import kernels
 from optax_sparse_adam._backends.protocol import StepBackend
-from optax_sparse_adam._core import coalesce
+from optax_sparse_adam._core import bcoo, coalesce
 from optax_sparse_adam._core.bcoo import RowLayout
 from optax_sparse_adam._core.rules import RowsStep, StepInputs, StepPlan
 
@@ -101,7 +101,8 @@ def _bind(inputs: StepInputs, plan: StepPlan) -> _Bound:
 
   on_cpu: StepBackend = xla.masked_step
   if kernels.step_applies(inputs, plan):  # the rule's fused kernel
-    on_cpu = kernels.masked_step
+    rounds = plan.config.param_rounding == "stochastic"
+    on_cpu = _kernel_then_rounded if rounds else kernels.masked_step
   elif all(
     kernels.store_applies(table, nse=inputs.rows.shape[0], num_rows=plan.layout.num_rows)
     for table in inputs.tables.slots.values()
@@ -114,6 +115,27 @@ def _bind(inputs: StepInputs, plan: StepPlan) -> _Bound:
     )
   args = (inputs._replace(hyper=None), [leaves[i] for i in traced])
   return _Bound(args, rebound, plan, on_cpu)
+
+
+def _kernel_then_rounded(inputs: StepInputs, plan: StepPlan) -> RowsStep:
+  """The fused kernel's step, then its rows `w + delta` rounded stochastically by XLA ops.
+
+  The kernel computes the delta `xla.masked_step` computes (bit for bit), which
+  `xla.rounded_param_rows` turns into the same rounded rows as the XLA path.
+  """
+  nearest = plan._replace(config=plan.config._replace(param_rounding="nearest"))
+  result = kernels.masked_step(inputs, nearest)
+  param = inputs.tables.param
+  assert param is not None  # the optax layer keeps it for the rounding
+  param_rows = bcoo.gather_rows(bcoo.as_rows(param, plan.layout), result.rows)
+  new_rows = xla.rounded_param_rows(
+    inputs,
+    plan,
+    result.rows,
+    param_rows.astype(plan.config.compute_dtype),
+    result.delta.astype(plan.config.compute_dtype),
+  )
+  return result._replace(delta=new_rows)
 
 
 def _kernel_store(layout: RowLayout) -> xla.RowStore:

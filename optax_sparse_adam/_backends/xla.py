@@ -85,7 +85,8 @@ def masked_step(
     g = -g
   param_rows = None
   reads, sets = reads_param(rule), sets_rows(rule)
-  if config.weight_decay != "none" or config.max_norm is not None or reads or sets:
+  rounds = config.param_rounding == "stochastic"
+  if config.weight_decay != "none" or config.max_norm is not None or reads or sets or rounds:
     assert tables.param is not None  # the optax layer checks it
     param_rows = bcoo.gather_rows(bcoo.as_rows(tables.param, layout), rows).astype(compute_dtype)
     if config.weight_decay == "l2":
@@ -96,6 +97,7 @@ def masked_step(
       wd = jnp.asarray(inputs.hyper.weight_decay, compute_dtype)
       g = rounded(g, inputs.opaque_zero) + rounded(wd * param_rows, inputs.opaque_zero)
 
+  old_param_rows = param_rows  # as gathered (catch-up may shift param_rows)
   step = inputs.step
   row_step = tables.row_step
   if row_step is not None:
@@ -169,7 +171,14 @@ def masked_step(
       new = new - decoupled
     if config.max_norm is not None:
       new = _renormalised_rows(new, config.max_norm, inputs.opaque_zero)
-    delta = jnp.where(valid, new, jnp.zeros((), new.dtype)).astype(tables.param.dtype)
+    store_param = rounding.param_store(
+      config.param_rounding,
+      dtype=tables.param.dtype,
+      step=inputs.step,
+      rows=rows,
+      row_offset=inputs.row_offset,
+    )
+    delta = jnp.where(valid, store_param(new), jnp.zeros((), tables.param.dtype))
   else:
     if decoupled is not None:
       delta = delta - decoupled
@@ -178,7 +187,11 @@ def masked_step(
     if config.max_norm is not None:
       assert param_rows is not None
       delta = _renormalised(param_rows, delta, config.max_norm, inputs.opaque_zero)
-    delta = jnp.where(valid, delta, jnp.zeros((), delta.dtype)).astype(inputs.values.dtype)
+    if rounds:
+      assert old_param_rows is not None
+      delta = rounded_param_rows(inputs, plan, rows, old_param_rows, delta)
+    else:
+      delta = jnp.where(valid, delta, jnp.zeros((), delta.dtype)).astype(inputs.values.dtype)
 
   def stored(slot_name: str, table: jax.Array) -> jax.Array:
     shape = tables.slots[slot_name].shape
@@ -192,6 +205,32 @@ def masked_step(
     slot.name: stored(slot.name, table) for slot, table in zip(slots, slot_tables, strict=True)
   }
   return RowsStep(rows, delta, Tables(new_slots, row_step, last_step=last_step))
+
+
+def rounded_param_rows(
+  inputs: StepInputs, plan: StepPlan, rows: jax.Array, param_rows: jax.Array, delta: jax.Array
+) -> jax.Array:
+  """The new rows `param_rows + delta` of a step that rounds them stochastically, in the
+  parameter's dtype (`rounding.param_store`); padding rows zero.
+
+  `param_rows` are the rows as gathered and `delta` the step's update of them, both
+  in the compute dtype. The delta is rounded where it stands (`rounded`), so that
+  XLA fuses no product of it into the sum: a fused kernel's delta (an output,
+  rounded) then gives the same rows (`dispatch`).
+  """
+  param = inputs.tables.param
+  assert param is not None
+  store = rounding.param_store(
+    plan.config.param_rounding,
+    dtype=param.dtype,
+    step=inputs.step,
+    rows=rows,
+    row_offset=inputs.row_offset,
+  )
+  new = param_rows + rounded(delta.astype(param_rows.dtype), inputs.opaque_zero)
+  valid = rows < plan.layout.num_rows
+  valid = valid.reshape(valid.shape + (1,) * len(plan.layout.dense_shape))
+  return jnp.where(valid, store(new), jnp.zeros((), param.dtype))
 
 
 def check_slot_rows(rule: Any, new_rows: Any) -> None:

@@ -32,6 +32,39 @@ the global row: a shard of a row-split table adds its first row
 give the same bits, and a run resumed from a checkpoint (which holds the step
 count) continues the same stream. The CPU kernels (`kernels.cc`) compute the
 same bits.
+
+The parameter. A bfloat16 or float16 table rounded to nearest loses every
+update below half an ulp of its value (lr 1e-3 against weights near 1: most
+of them). With `param_rounding="stochastic"` the new rows `w + delta` (float32)
+are rounded to the table's dtype up or down, up with probability the dropped
+fraction, so `E[stored] = w + delta`. The parameter has its own place in the
+stream: slot index `-1` (`PARAM_SLOT`), which no moment pair uses (pairs start
+at 0), so its key is `a = fmix32(t * 0x9E3779B9)` (the salt `(p + 1) * ...` is
+0), and it takes the element hash's top half, `u = h >> 16`, with `r` the global
+row and `j` the element of the row as above. From `u`:
+
+  bfloat16:  bits = (f32 bits + u) >> 16                  (as a moment)
+  float16, |x| >= 2^-14 (normal):
+             bits = (f32 bits + (u >> 3)) & ~0x1FFF, as float16   (13 dropped bits,
+                                                          so P(up) is exact)
+  float16, |x| < 2^-14 (subnormal, ulp 2^-24):
+             a = |x| * 2^24, k = floor(a), f = a - k
+             |result| = (k + (floor(f * 2^16) + u >= 2^16)) * 2^-24, x's sign
+
+that is, in every case: round up iff `floor(2^16 * dropped fraction of an ulp) + u
+>= 2^16`. That probability is the dropped fraction exactly for bfloat16 and
+normal float16 values, and within 2^-16 of it for float16's subnormals (whose
+dropped fraction has more than 16 bits). A finite `x` beyond the largest
+finite value of the dtype is stored as that value, with `x`'s sign (saturated:
+float16's is 65504, small enough for an update to reach; a cast to nearest
+would store inf, and the next step NaN); NaN and inf are stored as a cast
+stores them. The step keys on `t`, the parameter's step count after the step,
+as the moments' do. (The float16 bits operate on `|x|` and take `x`'s sign
+back; for bfloat16 adding to the signed word is the same.) The rows are rounded
+by these XLA ops on every path: after the fused CPU kernel's step (its delta is
+the XLA ops' delta, bit for bit), inside `xla.masked_step` on the other paths;
+the row-store kernel (`row_store.cc`) and the apply's scatter only move the
+rounded bits.
 """
 
 from __future__ import annotations
@@ -47,7 +80,13 @@ from jax import lax
 from optax_sparse_adam._core.errors import path_str
 
 MomentRounding = Literal["nearest", "stochastic"]
+ParamRounding = Literal["nearest", "stochastic"]
 ROUNDINGS = ("nearest", "stochastic")
+# The parameter's place in the hash's stream: a slot index no moment pair uses.
+PARAM_SLOT = -1
+# The table dtypes stochastic rounding of the parameter rounds to; wider floats
+# (float32, float64) hold `w + delta` as computed: the option changes nothing.
+ROUNDED_PARAM_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 # A slot's rows in the rule's compute dtype -> in the slot's storage dtype.
 SlotStore = Callable[[str, jax.Array], jax.Array]
@@ -129,6 +168,89 @@ def check_rounding(rounding: str, name: str = "moment_rounding") -> None:
   """Refuses a rounding other than "nearest" or "stochastic", naming the argument."""
   if rounding not in ROUNDINGS:
     raise ValueError(f"{name}={rounding!r}; expected one of {ROUNDINGS}.")
+
+
+def stochastic_round(x: jax.Array, bits16: jax.Array, dtype: Any) -> jax.Array:
+  """`x` (float32) rounded to `dtype` (bfloat16 or float16) up or down, unbiased, saturating.
+
+  The parameter's rounding (module docstring): up with probability the dropped
+  fraction of an ulp, read from `bits16` (uniform integers in `[0, 2^16)`, of
+  `x`'s shape); a finite value beyond the dtype's largest is stored as the
+  largest with its sign; NaN and inf round to nearest.
+  """
+  dtype = jnp.dtype(dtype)
+  x = x.astype(jnp.float32)
+  finite = jnp.isfinite(x)
+  biggest = jnp.asarray(jnp.finfo(dtype).max, jnp.float32)
+  if dtype == jnp.dtype(jnp.bfloat16):
+    word = lax.bitcast_convert_type(x, jnp.uint32)
+    up = lax.bitcast_convert_type(((word + bits16) >> 16).astype(jnp.uint16), jnp.bfloat16)
+    saturated = jnp.where(jnp.isinf(up), jnp.copysign(biggest, x).astype(dtype), up)
+    return jnp.where(finite, saturated, x.astype(dtype))
+  if dtype != jnp.dtype(jnp.float16):
+    raise ValueError(f"stochastic rounding to {dtype}: expected bfloat16 or float16")
+  magnitude = jnp.abs(x)
+  word = lax.bitcast_convert_type(magnitude, jnp.uint32)
+  # Normal float16 values: 13 dropped bits, rounded up by 13 random bits.
+  normal = lax.bitcast_convert_type((word + (bits16 >> 3)) & np.uint32(0xFFFFE000), jnp.float32)
+  # Subnormal ones: whole ulps (2^-24) and the dropped fraction, exact in float32.
+  scaled = magnitude * np.float32(2.0**24)
+  whole = jnp.floor(scaled)
+  fraction = ((scaled - whole) * np.float32(65536.0)).astype(jnp.uint32)
+  carry = (fraction + bits16 >= np.uint32(65536)).astype(jnp.float32)
+  subnormal = (whole + carry) * np.float32(2.0**-24)
+  rounded_magnitude = jnp.where(magnitude < np.float32(2.0**-14), subnormal, normal)
+  rounded_magnitude = jnp.minimum(rounded_magnitude, biggest)
+  return jnp.where(finite, jnp.copysign(rounded_magnitude, x).astype(dtype), x.astype(dtype))
+
+
+def param_store(
+  rounding: str,
+  *,
+  dtype: Any,
+  step: jax.Array | None,
+  rows: jax.Array,
+  row_offset: jax.Array | None = None,
+) -> Callable[[jax.Array], jax.Array]:
+  """The parameter's new rows `(n, ...)` (float32) -> the table's dtype, as `rounding` asks.
+
+  "stochastic" to a bfloat16 or float16 table draws the parameter's bits
+  (`PARAM_SLOT`, top half) at `step` for `rows` (+ `row_offset`); anything else
+  is a cast (to nearest; exact for float32 from float32).
+  """
+
+  def store(x: jax.Array) -> jax.Array:
+    if rounding != "stochastic" or jnp.dtype(dtype) not in ROUNDED_PARAM_DTYPES:
+      return x.astype(dtype)
+    if step is None:
+      raise ValueError("stochastic rounding of the parameter needs its step count")
+    n = x.shape[0]
+    row_size = int(np.prod(x.shape[1:], dtype=np.int64))
+    bits = random_bits(step_key(step, PARAM_SLOT), rows, row_size, row_offset)
+    return stochastic_round(x.reshape(n, row_size), bits, dtype).reshape(x.shape)
+
+  return store
+
+
+def check_param_rounding(rounding: str, dtype: Any, path: Sequence[Any]) -> ParamRounding:
+  """The rounding a table of `dtype` gets: "stochastic" for bf16/f16, else "nearest".
+
+  Refuses stochastic rounding of a table dtype it does not serve (8-bit floats:
+  neither rounded nor exact), naming the parameter; float32 and wider hold the
+  new rows as computed, so the option changes nothing there.
+  """
+  if rounding != "stochastic":
+    return "nearest"
+  dtype = jnp.dtype(dtype)
+  if dtype in ROUNDED_PARAM_DTYPES:
+    return "stochastic"
+  if jnp.issubdtype(dtype, jnp.floating) and jnp.finfo(dtype).bits >= 32:
+    return "nearest"
+  raise ValueError(
+    f"param_rounding='stochastic' rounds bfloat16 and float16 tables (float32 and wider "
+    f"need no rounding), but the parameter at {path_str(path)} is {dtype}: store it in "
+    "one of those, or pass param_rounding='nearest'."
+  )
 
 
 def check_slot_dtypes(

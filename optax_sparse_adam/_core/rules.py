@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from optax_sparse_adam._core.bcoo import RowLayout
-from optax_sparse_adam._core.rounding import MomentRounding, SlotStore
+from optax_sparse_adam._core.rounding import MomentRounding, ParamRounding, SlotStore
 from optax_sparse_adam._core.sharded import sharding
 
 WeightDecay = Literal["none", "l2", "decoupled"]
@@ -177,6 +177,12 @@ def sets_rows(rule: Any) -> bool:
   return bool(getattr(rule, "sets_rows", False))
 
 
+def stores_rows(rule: Any, config: StepConfig) -> bool:
+  """Whether a step returns the parameter's new rows, to be stored (`SetRowsUpdate`): the
+  rule sets rows, or the step rounds them stochastically (`StepConfig.param_rounding`)."""
+  return sets_rows(rule) or config.param_rounding == "stochastic"
+
+
 def catch_up_of(rule: Any, config: StepConfig) -> CatchUp:
   """The rule's `catch_up(config)` hook; refused for a rule that declares none."""
   hook = getattr(rule, "catch_up", None)
@@ -232,6 +238,11 @@ class StepConfig(NamedTuple):
       dtype: "nearest", or "stochastic" (`_core.rounding`; bf16 slots).
     max_norm: after the step, each touched row whose L2 norm exceeds it is
       scaled back to it (FBGEMM's `max_norm`); None: no renormalisation.
+    param_rounding: how the parameter's new rows `w + delta` are rounded to
+      its dtype: "nearest" (the apply adds the delta), or "stochastic" (a
+      bfloat16 or float16 table only, `_core.rounding`: the step reads the
+      rows, rounds `w + delta` and returns the rounded rows, which the apply
+      stores; `stores_rows`).
   """
 
   maximize: bool = False
@@ -239,6 +250,7 @@ class StepConfig(NamedTuple):
   compute_dtype: Any = jnp.dtype(jnp.float32)
   moment_rounding: MomentRounding = "nearest"
   max_norm: float | None = None
+  param_rounding: ParamRounding = "nearest"
 
 
 class StepPlan(NamedTuple):

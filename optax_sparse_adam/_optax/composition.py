@@ -93,7 +93,8 @@ def _lift(updates: Any, params: Any, who: str) -> _Lifted:
     if isinstance(grad, SetRowsUpdate):
       raise TypeError(
         f"{who}: the update at {path_str(path)} is a SetRowsUpdate, the new rows of a rule "
-        "that sets rows (sparse_ftrl, say), not deltas: a transform after it would "
+        "that sets rows (sparse_ftrl, say) or of a 16-bit table rounded stochastically "
+        "(param_rounding='stochastic'), not deltas: a transform after it would "
         "transform the parameter's rows themselves. Give a schedule to the optimizer "
         "(learning_rate=schedule), or lift the transform before the optimizer."
       )

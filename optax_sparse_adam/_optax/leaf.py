@@ -33,14 +33,14 @@ from optax_sparse_adam._core.rules import (
   RowRule,
   StepConfig,
   StepInputs,
-  StepPlan,
   Tables,
   WeightDecay,
-  reads_param,
   sets_rows,
+  stores_rows,
 )
 from optax_sparse_adam._core.set_rows import SetRowsUpdate, as_set_rows
 from optax_sparse_adam._core.sharded import auto_partition, routed, sharding
+from optax_sparse_adam._optax.leaf_plan import prepare_leaf_step
 
 
 def weight_decay_mode(weight_decay: Any, *, decoupled: bool) -> WeightDecay:
@@ -175,7 +175,7 @@ def masked_leaf_step(
     grad, tables, step, rule=rule, config=config, path=path
   )
   layout = plan.layout
-  sets = sets_rows(rule)
+  sets = stores_rows(rule, plan.config)
   indices_sorted, unique_indices = update_flags
 
   route = routed.plan_step(grad, tables, plan)
@@ -184,8 +184,9 @@ def masked_leaf_step(
   update_specs = (PartitionSpec(), PartitionSpec())
   in_optax_apply_if_finite = _inside_optax_apply_if_finite()
   if in_optax_apply_if_finite and sets:
+    who = f"the {rule.name!r} rule sets" if sets_rows(rule) else "param_rounding='stochastic' sets"
     raise ValueError(
-      f"the {rule.name!r} rule sets the rows of the parameter at {path_str(path)}, and "
+      f"{who} the rows of the parameter at {path_str(path)}, and "
       "optax.apply_if_finite's rejecting branch is zeros like the gradient: stored as "
       "rows, they would zero the touched rows. Use osa.sparse_apply_if_finite, whose "
       "skipped step stores nothing."
@@ -268,47 +269,11 @@ def masked_leaf_step(
   return LeafStep(as_set_rows(update) if sets else update, new_step, new_tables)
 
 
-class PreparedStep(NamedTuple):
-  """A parameter's step checked and planned (`prepare_leaf_step`), before a backend runs it."""
-
-  grad: sparse.BCOO
-  tables: Tables
-  plan: StepPlan
-  new_step: jax.Array | None
-
-
-def prepare_leaf_step(
-  grad: sparse.BCOO,
-  tables: Tables,
-  step: jax.Array | None,
-  *,
-  rule: RowRule,
-  config: StepConfig,
-  path: tuple = (),
-) -> PreparedStep:
-  """`masked_leaf_step`'s checks and plan: the gradient's ids verified, the tables checked."""
-  layout = bcoo.row_layout(grad, _param_shape(tables, rule, grad), path)
-  grad = row_update.verified(grad, path, what="gradient")
-  _check_tables(tables, layout, config, path, rule)
-  compute_dtype = jnp.result_type(
-    jnp.float32, grad.dtype, *(table.dtype for table in tables.slots.values())
-  )
-  plan = StepPlan(layout, rule, config._replace(compute_dtype=jnp.dtype(compute_dtype)))
-  if config.weight_decay == "none" and config.max_norm is None and not uses_param(rule):
-    tables = tables._replace(param=None)
-  new_step = None if step is None else optax.safe_increment(step)
-  return PreparedStep(grad, tables, plan, new_step)
-
-
-def uses_param(rule: RowRule) -> bool:
-  """Whether the rule's step reads the parameter's rows (it reads them, or sets them)."""
-  return reads_param(rule) or sets_rows(rule)
-
-
 class DenseLeafStep(NamedTuple):
-  """What `dense_leaf_step` returns: the dense update, the new step count and tables."""
+  """What `dense_leaf_step` returns: the dense update (a `SetRowsUpdate` of every row where
+  the parameter's rows are rounded stochastically), the new step count and tables."""
 
-  update: jax.Array
+  update: jax.Array | SetRowsUpdate
   step: jax.Array | None
   tables: Tables
 
@@ -374,6 +339,15 @@ def dense_leaf_step(
     path=path,
     opaque_zero=opaque_zero,
   )
+  if isinstance(result.update, SetRowsUpdate):
+    # Rows rounded stochastically (param_rounding): every row's new value, stored by
+    # the apply; a dense delta would be rounded again when added.
+    if shape != view:
+      raise ValueError(
+        f"param_rounding='stochastic' rounds rows, and the parameter at {path_str(path)} "
+        f"is 0-d ({grad.dtype} gradient): keep it in float32, or use param_rounding='nearest'."
+      )
+    return DenseLeafStep(result.update, result.step, result.tables)
   # Each row once: set, not add, keeps the deltas' bits (a -0.0 included); padding dropped.
   update_rows = bcoo.linear_rows(result.update.indices, bcoo.row_layout(result.update, view))
   update = (
@@ -386,53 +360,6 @@ def dense_leaf_step(
     name: table.reshape(tables.slots[name].shape) for name, table in result.tables.slots.items()
   }
   return DenseLeafStep(update, result.step, result.tables._replace(slots=new_slots))
-
-
-def _param_shape(tables: Tables, rule: RowRule, grad: sparse.BCOO) -> tuple[int, ...]:
-  """The parameter's shape: the rule's first full-width slot's, else the parameter's, else
-  the gradient's (a rule with per-row slots only checks their rows in `_check_tables`)."""
-  for slot in rule.slots():
-    if not slot.per_row:
-      return tuple(tables.slots[slot.name].shape)
-  if tables.param is not None:
-    return tuple(jnp.shape(tables.param))
-  return tuple(grad.shape)
-
-
-def _check_tables(
-  tables: Tables, layout: bcoo.RowLayout, config: StepConfig, path: tuple, rule: RowRule
-) -> None:
-  """Refuses a step that lacks the parameter for weight decay, or per-row arrays of another size."""
-  for needed, what in (
-    (config.weight_decay != "none", "weight decay"),
-    (config.max_norm is not None, "max_norm"),
-    (uses_param(rule), f"the {rule.name!r} rule, which reads its rows"),
-  ):
-    if needed and tables.param is None:
-      raise ValueError(
-        f"Parameter at {path_str(path)} is needed for {what}: pass params "
-        "to update(grads, state, params)."
-      )
-  for per_row, option in (
-    (tables.row_step, "per-row bias correction"),
-    (tables.last_step, "catch-up"),
-  ):
-    if per_row is not None and per_row.shape != (layout.num_rows,):
-      raise ValueError(
-        f"Sparse gradient at {path_str(path)} indexes {layout.num_rows} rows "
-        f"(sparse dims {layout.sparse_shape}) but {option} keeps "
-        f"{per_row.shape[0]} row steps, one per index of the leading dim. Use "
-        "n_sparse=1 gradients (bcoo_update_layout(grad, n_dense=ndim - 1))."
-      )
-  for slot in rule.slots():
-    table = tables.slots[slot.name]
-    if slot.per_row and tuple(table.shape) != (layout.num_rows,):
-      raise ValueError(
-        f"Sparse gradient at {path_str(path)} indexes {layout.num_rows} rows "
-        f"(sparse dims {layout.sparse_shape}) but the {rule.name!r} rule keeps one "
-        f"{slot.name!r} value per row, {tuple(table.shape)}, one per index of the "
-        "leading dim. Use n_sparse=1 gradients (bcoo_update_layout(grad, n_dense=ndim - 1))."
-      )
 
 
 def scatter_add_bcoo(param: jax.Array, update: sparse.BCOO, path: Sequence[Any] = ()) -> jax.Array:

@@ -14,6 +14,7 @@ import optax
 
 from optax_sparse_adam._core.errors import is_python_number
 from optax_sparse_adam._core.hyperparams import check_nonnegative, known_number
+from optax_sparse_adam._core.rounding import ParamRounding
 from optax_sparse_adam._core.row_rules.adagrad import AdagradHyperparams, AdagradRule
 from optax_sparse_adam._core.row_rules.ftrl import FtrlHyperparams, FtrlRule
 from optax_sparse_adam._core.row_rules.rowwise_adagrad import (
@@ -89,6 +90,7 @@ def sparse_sgd(
   lazy_momentum: bool = False,
   catch_up_idle_rows: bool = False,
   track_changed_rows: bool = False,
+  param_rounding: ParamRounding = "nearest",
 ) -> optax.GradientTransformationExtraArgs:
   r"""`torch.optim.SGD` for BCOO gradients (the touched rows move, nothing else) and dense ones.
 
@@ -139,6 +141,12 @@ def sparse_sgd(
     track_changed_rows: keep each row's last written step (one int32 per row,
       `row_last_step`), for `changed_rows`, `rows_delta` and `reset_rows`
       (docs/online.md).
+    param_rounding: how the parameter's new rows are rounded to a bfloat16 or
+      float16 table: "nearest" (the default: the apply adds the update, as
+      torch and a cast do) or "stochastic" (unbiased, with bits hashed from the
+      step, row and element: the update then holds the rounded rows, a
+      `SetRowsUpdate` that `apply_updates` stores; needs `params` in `update`).
+      Changes nothing on a float32 table. See the Memory page of the docs.
 
   Returns:
     An `optax.GradientTransformationExtraArgs` whose state is a `SparseRuleState`
@@ -185,6 +193,7 @@ def sparse_sgd(
     weight_decay_mode="none",  # sparse leaves; dense ones below
     catch_up_idle_rows=catch_up_idle_rows,
     track_changed_rows=track_changed_rows,
+    param_rounding=param_rounding,
     dense_gradients=_dense_leaves(
       weight_decay,
       SGD_WEIGHT_DECAY.format(wd=weight_decay) if refuse_decay else None,
@@ -206,6 +215,7 @@ def sparse_adagrad(
   maximize: bool = False,
   catch_up_idle_rows: bool = False,
   track_changed_rows: bool = False,
+  param_rounding: ParamRounding = "nearest",
 ) -> optax.GradientTransformationExtraArgs:
   r"""`torch.optim.Adagrad` for BCOO gradients (lazy, as torch is on them) and dense ones.
 
@@ -241,6 +251,12 @@ def sparse_adagrad(
     track_changed_rows: keep each row's last written step (one int32 per row,
       `row_last_step`), for `changed_rows`, `rows_delta` and `reset_rows`
       (docs/online.md).
+    param_rounding: how the parameter's new rows are rounded to a bfloat16 or
+      float16 table: "nearest" (the default: the apply adds the update, as
+      torch and a cast do) or "stochastic" (unbiased, with bits hashed from the
+      step, row and element: the update then holds the rounded rows, a
+      `SetRowsUpdate` that `apply_updates` stores; needs `params` in `update`).
+      Changes nothing on a float32 table. See the Memory page of the docs.
 
   Returns:
     An `optax.GradientTransformationExtraArgs` whose state is a `SparseRuleState`
@@ -279,6 +295,7 @@ def sparse_adagrad(
     weight_decay_mode="none",  # sparse leaves; dense ones below
     catch_up_idle_rows=catch_up_idle_rows,  # lazy Adagrad is dense Adagrad: no state
     track_changed_rows=track_changed_rows,
+    param_rounding=param_rounding,
     dense_gradients=_dense_leaves(weight_decay, refusal),
     nonzero_refusals=[_sparse_decay_refusal(ADAGRAD_WEIGHT_DECAY)],
     name="sparse_adagrad",
@@ -295,6 +312,7 @@ def sparse_rowwise_adagrad(
   maximize: bool = False,
   catch_up_idle_rows: bool = False,
   track_changed_rows: bool = False,
+  param_rounding: ParamRounding = "nearest",
 ) -> optax.GradientTransformationExtraArgs:
   r"""FBGEMM's EXACT_ROWWISE_ADAGRAD for BCOO gradients: one accumulator per row.
 
@@ -326,6 +344,12 @@ def sparse_rowwise_adagrad(
     track_changed_rows: keep each row's last written step (one int32 per row,
       `row_last_step`), for `changed_rows`, `rows_delta` and `reset_rows`
       (docs/online.md).
+    param_rounding: how the parameter's new rows are rounded to a bfloat16 or
+      float16 table: "nearest" (the default: the apply adds the update, as
+      torch and a cast do) or "stochastic" (unbiased, with bits hashed from the
+      step, row and element: the update then holds the rounded rows, a
+      `SetRowsUpdate` that `apply_updates` stores; needs `params` in `update`).
+      Changes nothing on a float32 table. See the Memory page of the docs.
 
   Returns:
     An `optax.GradientTransformationExtraArgs` whose state is a `SparseRuleState`
@@ -361,6 +385,7 @@ def sparse_rowwise_adagrad(
     max_norm=max_norm,
     catch_up_idle_rows=catch_up_idle_rows,  # the rule refuses it under weight decay
     track_changed_rows=track_changed_rows,
+    param_rounding=param_rounding,
     name="sparse_rowwise_adagrad",
   )
 
@@ -375,6 +400,7 @@ def sparse_ftrl(
   beta: float = 0.0,
   *,
   maximize: bool = False,
+  param_rounding: ParamRounding = "nearest",
 ) -> optax.GradientTransformationExtraArgs:
   r"""FTRL-Proximal (`keras.optimizers.Ftrl`) for BCOO gradients: lazy, as TF's sparse step.
 
@@ -404,6 +430,10 @@ def sparse_ftrl(
       penalty on the gradient only (the accumulator sees :math:`g`).
     beta: :math:`\beta`, added as :math:`\beta / (2\alpha)` to :math:`\lambda_2`.
     maximize: ascend the objective instead of descending it.
+    param_rounding: how the new rows are rounded to a bfloat16 or float16 table:
+      "nearest" (the default, a cast) or "stochastic" (unbiased, with bits
+      hashed from the step, row and element; an exact zero stays zero). Changes
+      nothing on a float32 table. See the Memory page of the docs.
 
   Returns:
     An `optax.GradientTransformationExtraArgs` whose state is a `SparseRuleState`
@@ -461,5 +491,6 @@ def sparse_ftrl(
       None,
     ),
     maximize=maximize,
+    param_rounding=param_rounding,
     name="sparse_ftrl",
   )

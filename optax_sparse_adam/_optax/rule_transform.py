@@ -155,6 +155,7 @@ def sparse_rule_transformation(
   slot_dtypes: dict[str, Any] | None = None,
   per_row_steps: bool = False,
   moment_rounding: rounding.MomentRounding = "nearest",
+  param_rounding: rounding.ParamRounding = "nearest",
   max_norm: float | None = None,
   catch_up_idle_rows: bool = False,
   track_changed_rows: bool = False,
@@ -193,6 +194,10 @@ def sparse_rule_transformation(
     slot_dtypes: a storage dtype by slot name (default: the parameter's).
     per_row_steps: give each row its own step count (`RowBlock.step`).
     moment_rounding: "nearest" or "stochastic", for bf16 slots.
+    param_rounding: "nearest" (the apply adds the update) or "stochastic": the
+      new rows of a bfloat16 or float16 table rounded up or down, unbiased
+      (`_core/rounding.py`), returned as a `SetRowsUpdate` that `apply_updates`
+      stores; needs `params` in `update`. Nothing changes on a float32 table.
     max_norm: renormalise each touched row to at most this L2 norm after the
       step (FBGEMM's `max_norm`); needs `params` in `update`.
     catch_up_idle_rows: take the dense optimizer's steps for the rows the
@@ -244,6 +249,7 @@ def sparse_rule_transformation(
         f"{type(hyperparams).__name__}"
       )
   rounding.check_rounding(moment_rounding)
+  rounding.check_rounding(param_rounding, "param_rounding")
   slot_names = [slot.name for slot in rule.slots()]
   dtypes = {}
   for slot_name, dtype in (slot_dtypes or {}).items():
@@ -276,6 +282,7 @@ def sparse_rule_transformation(
     weight_decay=mode,  # type: ignore[arg-type]
     moment_rounding=moment_rounding,
     max_norm=max_norm,
+    param_rounding=param_rounding,
   )
   dense: DenseLeaves | None = None
   dense_config = None
@@ -311,6 +318,7 @@ def sparse_rule_transformation(
     for path, param in leaves_with_path:
       bcoo.check_param_dtype(param, path)
       rounding.check_slot_dtypes(moment_rounding, dtypes, param.dtype, path)
+      rounding.check_param_rounding(param_rounding, param.dtype, path)
       tables.append(
         rules.init_tables(
           rule,

@@ -19,10 +19,10 @@ from jax.experimental import sparse
 
 from optax_sparse_adam._backends import dispatch
 from optax_sparse_adam._core import bcoo, row_update
-from optax_sparse_adam._core.rules import RowRule, StepConfig, StepInputs, Tables, sets_rows
+from optax_sparse_adam._core.rules import RowRule, StepConfig, StepInputs, Tables, stores_rows
 from optax_sparse_adam._core.set_rows import as_set_rows
 from optax_sparse_adam._core.sharded import auto_partition, routed, sharding
-from optax_sparse_adam._optax import leaf
+from optax_sparse_adam._optax import leaf, leaf_plan
 
 
 class SparseLeaf(NamedTuple):
@@ -43,7 +43,7 @@ class SparseLeaf(NamedTuple):
   update_flags: tuple[bool, bool] = (True, True)
 
 
-def unbatched_reason(prepared: leaf.PreparedStep | None) -> str | None:
+def unbatched_reason(prepared: leaf_plan.PreparedStep | None) -> str | None:
   """Why a leaf's step is not batched with the others' (None: it is), for `prepared`.
 
   None as `prepared` asks about the update as a whole (the reasons that hold
@@ -88,9 +88,9 @@ def masked_leaf_steps(
 
   if len(leaves) < 2 or unbatched_reason(None) is not None:
     return [alone(item) for item in leaves]
-  prepared: dict[int, leaf.PreparedStep] = {}
+  prepared: dict[int, leaf_plan.PreparedStep] = {}
   for k, item in enumerate(leaves):
-    ready = leaf.prepare_leaf_step(
+    ready = leaf_plan.prepare_leaf_step(
       item.grad, item.tables, item.step, rule=rule, config=config, path=item.path
     )
     if unbatched_reason(ready) is None:
@@ -119,6 +119,6 @@ def masked_leaf_steps(
       indices_sorted=indices_sorted,
       unique_indices=unique_indices,
     )
-    final = as_set_rows(update) if sets_rows(rule) else update
+    final = as_set_rows(update) if stores_rows(rule, ready.plan.config) else update
     out.append(leaf.LeafStep(final, ready.new_step, result.tables))
   return out

@@ -15,7 +15,7 @@ from optax_sparse_adam._core.errors import (
   leaves_up_to,
 )
 from optax_sparse_adam._core.hyperparams import check_hyperparams, moment_dtype
-from optax_sparse_adam._core.rounding import MomentRounding
+from optax_sparse_adam._core.rounding import MomentRounding, ParamRounding
 from optax_sparse_adam._core.row_rules import adam
 from optax_sparse_adam._core.row_rules.adam import AdamRule
 from optax_sparse_adam._core.row_rules.rowwise_adam import RowwiseAdamRule
@@ -46,6 +46,7 @@ class AdamFlags(TypedDict, total=False):
   nu_dtype: Any
   rowwise_second_moment: bool
   moment_rounding: MomentRounding
+  param_rounding: ParamRounding
   catch_up_idle_rows: bool
   max_norm: float | None
   track_changed_rows: bool
@@ -70,6 +71,7 @@ class SparseAdamOptions(NamedTuple):
   catch_up_idle_rows: bool = False
   max_norm: float | None = None
   track_changed_rows: bool = False
+  param_rounding: ParamRounding = "nearest"
 
   @property
   def rule(self) -> AdamRule | RowwiseAdamRule:
@@ -87,6 +89,7 @@ def _init_state(params: optax.Params, options: SparseAdamOptions) -> SparseAdamS
   for path, param in leaves_with_path:
     bcoo.check_param_dtype(param, path)
     rounding.check_slot_dtypes(options.moment_rounding, dtypes, param.dtype, path)
+    rounding.check_param_rounding(options.param_rounding, param.dtype, path)
     tables = rules.init_tables(
       options.rule,
       param,
@@ -137,12 +140,14 @@ def _scale_by_sparse_adam(options: SparseAdamOptions) -> optax.GradientTransform
     nu_dtype=moment_dtype(options.nu_dtype, "nu_dtype"),
   )
   rounding.check_rounding(options.moment_rounding)
+  rounding.check_rounding(options.param_rounding, "param_rounding")
   rule = options.rule
   config = rules.StepConfig(
     maximize=options.maximize,
     weight_decay=leaf.weight_decay_mode(weight_decay, decoupled=options.decoupled_weight_decay),
     moment_rounding=options.moment_rounding,
     max_norm=check_max_norm(options.max_norm, options.catch_up_idle_rows),
+    param_rounding=options.param_rounding,
   )
   catch_up.check_options(options, config)
   name = "sparse_adamw" if options.decoupled_weight_decay else "sparse_adam"
@@ -258,6 +263,7 @@ def sparse_adam(
   catch_up_idle_rows: bool = False,
   max_norm: float | None = None,
   track_changed_rows: bool = False,
+  param_rounding: ParamRounding = "nearest",
 ) -> optax.GradientTransformationExtraArgs:
   r"""Masked Adam for BCOO gradients, with the numerics of `torch.optim.SparseAdam`.
 
@@ -330,6 +336,14 @@ def sparse_adam(
     track_changed_rows: keep each row's last written step (`row_last_step`,
       one int32 per row, shared with `catch_up_idle_rows`), for `changed_rows`,
       `rows_delta` and `reset_rows` (docs/online.md).
+    param_rounding: how the parameter's new rows are rounded to a bfloat16 or
+      float16 table: "nearest" (the default: the apply adds the update, as
+      torch and a cast do) or "stochastic" (unbiased, with bits hashed from the
+      step, row and element, a place in the stream of its own: a bf16 table
+      then learns from updates below half its ulp). The update then holds the
+      rounded rows, a `SetRowsUpdate` that `apply_updates` stores; needs
+      `params` in `update`. Changes nothing on a float32 table. See the Memory
+      page of the docs.
 
   Returns:
     An `optax.GradientTransformationExtraArgs` whose state is a `SparseAdamState`;
@@ -387,7 +401,7 @@ def sparse_adamw(
       PARTIAL_ROWWISE_ADAM with its weight decay), `moment_rounding`,
       `catch_up_idle_rows` (dense AdamW's steps for the rows the gradients
       skip, the decoupled decay included: :math:`(1 - \alpha\lambda)^k` over
-      :math:`k` idle steps) and `max_norm`.
+      :math:`k` idle steps), `max_norm`, `track_changed_rows` and `param_rounding`.
 
   Returns:
     As `sparse_adam`: an `optax.GradientTransformationExtraArgs` (extra keyword

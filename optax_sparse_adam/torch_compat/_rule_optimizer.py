@@ -19,6 +19,7 @@ import numpy as np
 from jax.experimental import sparse
 
 from optax_sparse_adam._core import rules
+from optax_sparse_adam._core.rounding import check_param_rounding, check_rounding
 from optax_sparse_adam.torch_compat import _reset, _step
 from optax_sparse_adam.torch_compat._hooks import with_step_hooks
 from optax_sparse_adam.torch_compat._optimizer import Optimizer, iter_params
@@ -29,9 +30,13 @@ from optax_sparse_adam.torch_compat._sparse_adam import (
   copy_shared_buffers,
   grads_to_step,
   loaded_state,
+  param_label,
 )
 
 _OPAQUE_ZERO = np.zeros((), np.int32)
+# The state key of the step count that keys stochastic rounding, for a rule that keeps
+# none of its own (SGD); only with param_rounding="stochastic".
+ROUNDING_STEP = "param_rounding_step"
 
 
 class TorchRule(NamedTuple):
@@ -93,7 +98,11 @@ class RuleOptimizer(Optimizer):
 
     torch's param-group defaults are every argument but the params, by its name.
     """
-    defaults = {k: v for k, v in arguments.items() if k not in ("self", "params", "__class__")}
+    # Not a group option: the state_dict stays torch's (pass it again to a new optimizer).
+    self._param_rounding = arguments.get("param_rounding", "nearest")
+    check_rounding(self._param_rounding, "param_rounding")
+    skipped = ("self", "params", "__class__", "param_rounding")
+    defaults = {k: v for k, v in arguments.items() if k not in skipped}
     super().__init__(params, defaults)
     if self.TABLE.eager_state:
       for _, _, p in iter_params(self.param_groups):
@@ -188,7 +197,8 @@ class RuleOptimizer(Optimizer):
       if False in kinds and table.check_dense is not None:
         table.check_dense(group, where)
 
-    params, slots, grads, hypers, plans, steps = [], [], [], [], [], []
+    rounds = self._param_rounding == "stochastic"
+    params, slots, grads, hypers, plans, steps, counts = [], [], [], [], [], [], []
     for p, _, group in todo:
       state = self.state.get(p) or self._fresh_state(p, group)
       step = (state[table.step_key] if table.step_key else 0) + 1
@@ -196,11 +206,28 @@ class RuleOptimizer(Optimizer):
       slots.append({slot: state[key] for key, slot in table.slots.items()})
       grads.append(p.grad)
       hypers.append(table.hyper(group, int(step), _step.compute_dtype(p, p.grad)))
-      plans.append(table.plan(group, not isinstance(p.grad, sparse.BCOO)))
+      rule, config = table.plan(group, not isinstance(p.grad, sparse.BCOO))
+      if rounds:
+        gi = next(i for i, g in enumerate(self.param_groups) if g is group)
+        pi = next(i for i, q in enumerate(group["params"]) if q is p)
+        label = param_label(group, f"param_groups[{gi}]", pi)
+        rounded = check_param_rounding(self._param_rounding, p.data.dtype, (label,))
+        config = config._replace(param_rounding=rounded)
+        # A rule without a step count (SGD) counts its rounding's steps in the state.
+        if table.step_key is None:
+          step = int(state.get(ROUNDING_STEP, 0)) + 1
+      plans.append((rule, config))
       steps.append(step)
+      counts.append(step)
     copy_shared_buffers(params)
     new_params, new_slots = _step.fused_rule_step(
-      params, slots, grads, hypers, _OPAQUE_ZERO, plans=tuple(plans)
+      params,
+      slots,
+      grads,
+      hypers,
+      _OPAQUE_ZERO,
+      _step.rounding_steps(self._param_rounding, counts),
+      plans=tuple(plans),
     )
     for (p, _, group), data, slot_tables, step in zip(
       todo, new_params, new_slots, steps, strict=True
@@ -209,6 +236,8 @@ class RuleOptimizer(Optimizer):
       state = self.state.get(p) or self._fresh_state(p, group)
       if table.step_key is not None:
         state[table.step_key] = step
+      elif rounds:
+        state[ROUNDING_STEP] = step
       for key, slot in table.slots.items():
         state[key] = slot_tables[slot]
       if state:

@@ -105,6 +105,11 @@ class SGD(RuleOptimizer):
     foreach: accepted, no effect (torch's sparse path ignores it too).
     differentiable: accepted, no effect.
     fused: must not be True at `step()` (torch raises).
+    param_rounding: "nearest" (the default, torch's: the update is added to a
+      bfloat16 or float16 `Parameter` and rounded to nearest) or "stochastic"
+      (the new rows rounded up or down, unbiased, keyed on the step count:
+      `optax_sparse_adam.sparse_adam`'s option). Not a group option: the
+      state_dict is torch's; pass it again when you rebuild the optimizer.
 
   Example:
     >>> import jax.numpy as jnp
@@ -135,6 +140,7 @@ class SGD(RuleOptimizer):
     foreach: bool | None = None,
     differentiable: bool = False,
     fused: bool | None = None,
+    param_rounding: str = "nearest",
   ) -> None:
     # torch's constructor checks, in its order and wording.
     check_nonnegative(

@@ -10,6 +10,7 @@ import numpy as np
 from jax.experimental import sparse
 
 from optax_sparse_adam._core import bcoo, hyperparams
+from optax_sparse_adam._core.rounding import check_param_rounding, check_rounding
 from optax_sparse_adam.torch_compat import _convert, _reset, _step
 from optax_sparse_adam.torch_compat._hooks import with_step_hooks
 from optax_sparse_adam.torch_compat._optimizer import Optimizer, iter_params
@@ -240,6 +241,11 @@ class SparseAdam(Optimizer):
     betas: decay rates of the first and second moments.
     eps: added to :math:`\sqrt{v}` in the denominator.
     maximize: ascend the objective instead of descending it.
+    param_rounding: "nearest" (the default, torch's: the update is added to a
+      bfloat16 or float16 `Parameter` and rounded to nearest) or "stochastic"
+      (the new rows rounded up or down, unbiased, keyed on the step count:
+      `optax_sparse_adam.sparse_adam`'s option). Not a group option: the
+      state_dict is torch's; pass it again when you rebuild the optimizer.
 
   Example:
     >>> import jax.numpy as jnp
@@ -266,8 +272,12 @@ class SparseAdam(Optimizer):
     betas: tuple[float, float] = (0.9, 0.999),
     eps: float = 1e-8,
     maximize: bool = False,
+    *,
+    param_rounding: str = "nearest",
   ) -> None:
     self._initialized = False
+    check_rounding(param_rounding, "param_rounding")
+    self._param_rounding = param_rounding
     # An array lr must be 1-element ("Tensor lr must be 1-element") and is compared by value.
     is_array_lr = _convert.is_array(lr)
     lr_number = _step.lr_value(lr) if is_array_lr else lr
@@ -321,6 +331,13 @@ class SparseAdam(Optimizer):
     """
     _reset.reset_param_rows(self, param, ids, values, {"exp_avg": 0.0, "exp_avg_sq": 0.0})
 
+  def _label(self, param: Parameter) -> str:
+    for gi, group in enumerate(self.param_groups):
+      for pi, q in enumerate(group["params"]):
+        if q is param:
+          return param_label(group, f"param_groups[{gi}]", pi)
+    return "a parameter"
+
   @with_step_hooks
   def step(self, closure: Any = None) -> Any:
     """Performs one optimization step of every parameter that has a gradient.
@@ -346,8 +363,11 @@ class SparseAdam(Optimizer):
     if not todo:
       return loss
 
+    rounds = self._param_rounding == "stochastic"
     params, exp_avgs, exp_avg_sqs, grads, scalars, steps = [], [], [], [], [], []
     for p, grad, hyper in todo:
+      if rounds:  # a dtype it does not serve is refused, naming the parameter
+        check_param_rounding(self._param_rounding, p.data.dtype, (self._label(p),))
       state = self.state.get(p) or {}
       step = state.get("step", 0) + 1
       params.append(p.data)
@@ -365,7 +385,9 @@ class SparseAdam(Optimizer):
       grads,
       scalars,
       _OPAQUE_ZERO,
+      _step.rounding_steps(self._param_rounding, steps),
       maximize=tuple(hyper.maximize for _, _, hyper in todo),
+      param_rounding=self._param_rounding,
     )
     for (p, _, _), data, exp_avg, exp_avg_sq, step in zip(
       todo, new_params, new_exp_avgs, new_exp_avg_sqs, steps, strict=True

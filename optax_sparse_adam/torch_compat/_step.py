@@ -139,7 +139,17 @@ def _compute_dtype(grad_dtype: np.dtype, param_dtype: np.dtype) -> np.dtype:
   return np.dtype(jnp.result_type(jnp.float32, grad_dtype, param_dtype))
 
 
-@functools.partial(jax.jit, donate_argnums=(0, 1, 2), static_argnames=("maximize",))
+def rounding_steps(param_rounding: str, steps: Sequence[int]) -> list[np.ndarray | None]:
+  """Each parameter's step count before this step, as the key of its stochastic rounding
+  (`_core.rounding`), or None each with round-to-nearest (the step needs no count)."""
+  if param_rounding != "stochastic":
+    return [None] * len(steps)
+  return [np.asarray(step - 1, np.int32) for step in steps]
+
+
+@functools.partial(
+  jax.jit, donate_argnums=(0, 1, 2), static_argnames=("maximize", "param_rounding")
+)
 def fused_step(
   params: Sequence[jax.Array],
   exp_avgs: Sequence[jax.Array],
@@ -147,8 +157,10 @@ def fused_step(
   grads: Sequence[sparse.BCOO],
   scalars: Sequence[jax.Array],
   opaque_zero: jax.Array,
+  steps: Sequence[jax.Array | None] | None = None,
   *,
   maximize: tuple[bool, ...],
+  param_rounding: str = "nearest",
 ) -> tuple[list[jax.Array], list[jax.Array], list[jax.Array]]:
   """One SparseAdam step of every listed parameter; params and moments are donated.
 
@@ -156,18 +168,21 @@ def fused_step(
   group's flag. `opaque_zero` is an int32 zero given at run time, so that the
   core rounds every product as torch does (no FMA contraction): bit-exact float32.
   Negating after coalescing equals torch's `-grad` before it exactly: rounding
-  is symmetric.
+  is symmetric. `steps[i]` (`rounding_steps`) keys parameter i's stochastic
+  rounding (`param_rounding`); the step size still comes computed.
   """
+  steps = steps if steps is not None else [None] * len(params)
   new_params, new_exp_avgs, new_exp_avg_sqs = [], [], []
-  for param, exp_avg, exp_avg_sq, grad, s, sign_flip in zip(
-    params, exp_avgs, exp_avg_sqs, grads, scalars, maximize, strict=True
+  for param, exp_avg, exp_avg_sq, grad, s, sign_flip, count in zip(
+    params, exp_avgs, exp_avg_sqs, grads, scalars, maximize, steps, strict=True
   ):
+    rounds = param_rounding == "stochastic"
     step = leaf.masked_leaf_step(
       grad,
-      rules.Tables({"mu": exp_avg, "nu": exp_avg_sq}),
-      None,  # the step count lives on the host; the step size comes computed
+      rules.Tables({"mu": exp_avg, "nu": exp_avg_sq}, param=param if rounds else None),
+      count,  # None: the step count lives on the host; the step size comes computed
       rule=_RULE,
-      config=rules.StepConfig(maximize=sign_flip),
+      config=rules.StepConfig(maximize=sign_flip, param_rounding=param_rounding),  # type: ignore[arg-type]
       hyper=adam.AdamHyperparams(
         learning_rate=None,
         one_minus_b1=s[_ONE_MINUS_B1],
@@ -194,6 +209,7 @@ def fused_rule_step(
   grads: Sequence[sparse.BCOO | jax.Array],
   hypers: Sequence[Any],
   opaque_zero: jax.Array,
+  steps: Sequence[jax.Array | None] | None = None,
   *,
   plans: tuple[tuple[Any, rules.StepConfig], ...],
 ) -> tuple[list[jax.Array], list[dict[str, jax.Array]]]:
@@ -203,28 +219,34 @@ def fused_rule_step(
 
   `hypers[i]` are parameter i's hyper-parameters, computed on the host (arrays:
   editing a group's options does not recompile; None fields are static).
+  `steps[i]`: parameter i's step count before this step where its rows are
+  rounded stochastically (`rounding_steps`), else None.
   """
+  steps = steps if steps is not None else [None] * len(params)
   new_params, new_slots = [], []
-  for param, tables, grad, hyper, (rule, config) in zip(
-    params, slots, grads, hypers, plans, strict=True
+  for param, tables, grad, hyper, (rule, config), count in zip(
+    params, slots, grads, hypers, plans, steps, strict=True
   ):
     if not isinstance(grad, sparse.BCOO):  # torch's dense step: every element
       dense = leaf.dense_leaf_step(
         grad,
         rules.Tables(dict(tables), param=param),
-        None,
+        count,
         rule=rule,
         config=config,
         hyper=hyper,
         opaque_zero=opaque_zero,
       )
-      new_params.append((param + dense.update).astype(param.dtype))
+      if isinstance(dense.update, sparse.BCOO):  # rows rounded stochastically: stored
+        new_params.append(leaf.scatter_add_bcoo(param, dense.update))
+      else:
+        new_params.append((param + dense.update).astype(param.dtype))
       new_slots.append(dense.tables.slots)
       continue
     step = leaf.masked_leaf_step(
       grad,
       rules.Tables(dict(tables), param=param),
-      None,  # the step count lives on the host; the hyper-parameters come computed
+      count,  # None: the step count lives on the host; the hyper-parameters come computed
       rule=rule,
       config=config,
       hyper=hyper,

@@ -100,10 +100,15 @@ OPTIMIZERS = {
   "stochastic_amsgrad": lambda: osa.sparse_adam(
     1e-2, amsgrad=True, mu_dtype=jnp.bfloat16, nu_dtype=jnp.bfloat16, moment_rounding="stochastic"
   ),
+  # A bf16 table rounded stochastically (param_rounding): its rows' bits keyed on global
+  # rows too (the fused kernel's delta, rounded by XLA ops, on each shard).
+  "param_stochastic": lambda: osa.sparse_adam(
+    1e-2, mu_dtype=jnp.float32, nu_dtype=jnp.float32, param_rounding="stochastic"
+  ),
 }
 # Options checked bit for bit on ids whose rows each live in one device's batch
 # (a row summed across devices may round its moments the other way).
-EXACT_OPTIONS = ("stochastic", "stochastic_amsgrad")
+EXACT_OPTIONS = ("stochastic", "stochastic_amsgrad", "param_stochastic")
 
 
 def collectives(hlo_text):
@@ -145,7 +150,7 @@ def train(
   opt_name, kind, *, mesh=None, batch_axis="x", batch=BATCH, seed=0, table_spec=None, cyclic=False
 ):
   rng = np.random.default_rng(seed)
-  dtype = jnp.bfloat16 if opt_name == "bf16" else jnp.float32
+  dtype = jnp.bfloat16 if opt_name in ("bf16", "param_stochastic") else jnp.float32
   table0 = rng.normal(size=(NUM_ROWS, DIM)).astype(np.float32)
   batches = [
     (ids_of(kind, rng).astype(np.int32)[:batch], rng.normal(size=(batch, DIM)).astype(np.float32))

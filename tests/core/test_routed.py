@@ -81,6 +81,7 @@ ROUTED_RUNS += ["explicit/all_options/one_owner/cf2", "auto/all_options/zipf/cf1
 STOCHASTIC_RUNS = [
   "explicit/stochastic/device_local_rows/cf2",
   "explicit/stochastic_amsgrad/device_local_rows/cf2",
+  "explicit/param_stochastic/device_local_rows/cf2",
   "explicit/stochastic/one_owner/cf2",
   "auto/stochastic/zipf/cf1",
   "auto_default/stochastic/zipf/cf1",

@@ -197,11 +197,12 @@ def check(
   if row_placement != CYCLIC:
     return
   if plan is not None:
-    if plan.config.moment_rounding == "stochastic":
-      raise ValueError(
-        "row_placement='cyclic' with moment_rounding='stochastic': not supported (the "
-        "rounding's bits key on block rows); use row_placement='block' or nearest rounding"
-      )
+    for option in ("moment_rounding", "param_rounding"):
+      if getattr(plan.config, option) == "stochastic":
+        raise ValueError(
+          f"row_placement='cyclic' with {option}='stochastic': not supported (the "
+          "rounding's bits key on block rows); use row_placement='block' or nearest rounding"
+        )
     return
   for x in arrays:
     found = x is not None and sharding.split_rows(x, auto_axis)

@@ -51,7 +51,7 @@ from jax.experimental import sparse
 from jax.sharding import PartitionSpec
 
 from optax_sparse_adam._core import bcoo, coalesce
-from optax_sparse_adam._core.rules import RowsStep, StepInputs, StepPlan, Tables, sets_rows
+from optax_sparse_adam._core.rules import RowsStep, StepInputs, StepPlan, Tables, stores_rows
 from optax_sparse_adam._core.sharded import overflow, placement, routing, sharding
 from optax_sparse_adam._core.switches import Switch
 
@@ -369,7 +369,7 @@ def flagged_step(
 
     # The tables travel in a loop, not through a cond: XLA updates a loop's
     # carry in place, but copies a table that a cond's branch reads and writes.
-    dtype = param.dtype if sets_rows(plan.rule) else values.dtype  # `RowsStep.delta`'s
+    dtype = param.dtype if stores_rows(plan.rule, plan.config) else values.dtype  # the delta's
     delta = jnp.zeros((slots,) + values.shape[1:], dtype)
     loop = (jnp.int32(0), jnp.int32(1), carried, jnp.zeros((slots,), jnp.int32), delta)
     _, _, carried, ids, delta = lax.while_loop(lambda loop: loop[0] < loop[1], one_round, loop)
