@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import jax.numpy as jnp
 from jax.experimental import sparse
 
-from optax_sparse_adam.torch_compat import _convert, _hooks
+from optax_sparse_adam.torch_compat import _convert, _hooks, _reset
 from optax_sparse_adam.torch_compat._parameter import Parameter
 
 StateDict = dict[str, Any]
@@ -364,6 +364,33 @@ class Optimizer(_hooks.HookRegistry, _TorchOptimizer):
 
     for post_hook in list(self._optimizer_load_state_dict_post_hooks.values()):
       post_hook(self)
+
+  def reset_rows(self, param: Parameter, ids: Any, values: Any = None) -> None:
+    """Resets the rows `ids` of `param`'s optimizer state to a fresh state's, and its rows.
+
+    For a row evicted from a vocabulary, or handed to a new id: its per-row
+    state (`exp_avg`, `sum`, `momentum_buffer`, ...) at those rows becomes what
+    a fresh state holds, as if the rows had never been stepped; the step count
+    is the parameter's and does not change. `optax_sparse_adam.reset_rows` does
+    the same for an optax state. One compiled call donating the buffers: O(rows).
+
+    Args:
+      param: a `Parameter` of this optimizer's groups.
+      ids: int row ids (of the leading dim), each in range.
+      values: `(len(ids), *row_shape)`, the parameter's new rows, or None to
+        leave them.
+
+    Raises:
+      ValueError: `param` is not this optimizer's, an id is out of range, or
+        `values` has the wrong shape; nothing changes.
+    """
+    held = any(q is param for group in self.param_groups for q in group["params"])
+    # A parameter not held is refused by reset_param_rows, naming it.
+    _reset.reset_param_rows(self, param, ids, values, self._fresh_rows(param) if held else {})
+
+  def _fresh_rows(self, param: Parameter) -> dict[str, float]:
+    """`{state key: a fresh row's value}` of each per-row slot of `param`'s state."""
+    raise NotImplementedError
 
   def _check_loaded_group(self, group: dict[str, Any], where: str) -> None:
     """Subclass checks of a loaded group's options."""

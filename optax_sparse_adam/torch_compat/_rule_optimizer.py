@@ -20,7 +20,7 @@ from jax.experimental import sparse
 
 from optax_sparse_adam._core import rules
 from optax_sparse_adam._core.rounding import check_param_rounding, check_rounding
-from optax_sparse_adam.torch_compat import _reset, _step
+from optax_sparse_adam.torch_compat import _step
 from optax_sparse_adam.torch_compat._hooks import with_step_hooks
 from optax_sparse_adam.torch_compat._optimizer import Optimizer, iter_params
 from optax_sparse_adam.torch_compat._parameter import Parameter
@@ -142,33 +142,9 @@ class RuleOptimizer(Optimizer):
       state[key] = _as_moment(value[key], param, key, where)
     return state
 
-  def reset_rows(self, param: Parameter, ids: Any, values: Any = None) -> None:
-    """Resets the rows `ids` of `param`'s optimizer state to a fresh state's, and its rows.
-
-    For a row evicted from a vocabulary, or handed to a new id: its slots
-    (`sum`, `momentum_buffer`, ...) at those rows become what a fresh state
-    holds, as if the rows had never been stepped; the step count is the
-    parameter's and does not change. `optax_sparse_adam.reset_rows` does the
-    same for an optax state. One compiled call donating the buffers: O(rows).
-
-    Args:
-      param: a `Parameter` of this optimizer's groups.
-      ids: int row ids (of the leading dim), each in range.
-      values: `(len(ids), *row_shape)`, the parameter's new rows, or None to
-        leave them.
-
-    Raises:
-      ValueError: `param` is not this optimizer's, an id is out of range, or
-        `values` has the wrong shape; nothing changes.
-    """
-    fills = {}
-    if self._holds(param):  # else refused below, naming the parameter
-      group = self._group_of(param)
-      fills = {key: self.TABLE.slot_init(group, slot) for key, slot in self.TABLE.slots.items()}
-    _reset.reset_param_rows(self, param, ids, values, fills)
-
-  def _holds(self, param: Parameter) -> bool:
-    return any(q is param for g in self.param_groups for q in g["params"])
+  def _fresh_rows(self, param: Parameter) -> dict[str, float]:
+    group = self._group_of(param)
+    return {key: self.TABLE.slot_init(group, slot) for key, slot in self.TABLE.slots.items()}
 
   @with_step_hooks
   def step(self, closure: Any = None) -> Any:

@@ -11,7 +11,7 @@ from jax.experimental import sparse
 
 from optax_sparse_adam._core import bcoo, hyperparams
 from optax_sparse_adam._core.rounding import check_param_rounding, check_rounding
-from optax_sparse_adam.torch_compat import _convert, _reset, _step
+from optax_sparse_adam.torch_compat import _convert, _step
 from optax_sparse_adam.torch_compat._hooks import with_step_hooks
 from optax_sparse_adam.torch_compat._optimizer import Optimizer, iter_params
 from optax_sparse_adam.torch_compat._parameter import Parameter
@@ -310,26 +310,8 @@ class SparseAdam(Optimizer):
     state["exp_avg_sq"] = _as_moment(value["exp_avg_sq"], param, "exp_avg_sq", where)
     return state
 
-  def reset_rows(self, param: Parameter, ids: Any, values: Any = None) -> None:
-    """Resets the rows `ids` of `param`'s optimizer state to a fresh state's, and its rows.
-
-    For a row evicted from a vocabulary, or handed to a new id: its moments
-    (`exp_avg`, `exp_avg_sq`) at those rows become what a fresh state holds, as
-    if the rows had never been stepped; the step count is the parameter's and does not change.
-    `optax_sparse_adam.reset_rows` does the same for an optax state. One
-    compiled call donating the buffers: O(rows).
-
-    Args:
-      param: a `Parameter` of this optimizer's groups.
-      ids: int row ids (of the leading dim), each in range.
-      values: `(len(ids), *row_shape)`, the parameter's new rows, or None to
-        leave them.
-
-    Raises:
-      ValueError: `param` is not this optimizer's, an id is out of range, or
-        `values` has the wrong shape; nothing changes.
-    """
-    _reset.reset_param_rows(self, param, ids, values, {"exp_avg": 0.0, "exp_avg_sq": 0.0})
+  def _fresh_rows(self, param: Parameter) -> dict[str, float]:
+    return {"exp_avg": 0.0, "exp_avg_sq": 0.0}
 
   def _label(self, param: Parameter) -> str:
     for gi, group in enumerate(self.param_groups):
