@@ -26,6 +26,21 @@ def cpu_only(what: str) -> pytest.MarkDecorator:
   )
 
 
+def tiered(cases, slow) -> list:
+  """`cases` as parameters, those for which `slow(case)` holds marked for the slow tier.
+
+  For matrices whose every cell is a check worth keeping but whose eager or repeated
+  cells cost the default command its time budget: one representative stays in the
+  default tier, the rest run with `-m slow` (CI runs both).
+  """
+  return [
+    pytest.param(
+      *(c if isinstance(c, tuple) else (c,)), marks=[pytest.mark.slow] if slow(c) else []
+    )
+    for c in cases
+  ]
+
+
 def assert_paths_agree(a, b) -> None:
   """Two paths' results: equal in every bit on the CPU, close on other backends.
 

@@ -23,6 +23,7 @@ from tests._helpers import (
   assert_paths_agree,
   dense_table_temporaries,
   table_shaped_values,
+  tiered,
   train_step,
 )
 
@@ -84,7 +85,11 @@ CASES = [(layout, option, True) for layout in LAYOUTS for option in OPTIONS]
 CASES += [("embedding", option, False) for option in OPTIONS]  # eager: op by op
 
 
-@pytest.mark.parametrize(("layout", "option", "use_jit"), CASES)
+@pytest.mark.parametrize(
+  ("layout", "option", "use_jit"),
+  tiered(CASES, lambda case: not case[2] and case[1] != "default"),
+  ids=[f"{layout}-{option}-{jit}" for layout, option, jit in CASES],
+)
 def test_accelerator_step_equals_the_default_and_generic_paths(layout, option, use_jit):
   """Bit for bit on the CPU, against the CPU kernels where they apply and the generic XLA ops."""
   shape, n_sparse = LAYOUTS[layout]

@@ -747,6 +747,8 @@ def main():
   # each "y" pair computing the same) or over "y" (not routed: XLA partitions it).
   two_axes = jax.make_mesh((4, 2), ("x", "y"), axis_types=(AxisType.Explicit,) * 2)
   for batch_axis in ("x", "y"):
+    if f"two_axes/batch_over_{batch_axis}" in SLOW_RUNS and not every_run:
+      continue
     with jax.set_mesh(two_axes):
       run = train("all_options", "cross_device_duplicates", mesh=two_axes, batch_axis=batch_axis)
     run["max_abs_diff"] = compare(run, references["all_options", "cross_device_duplicates"])
@@ -755,6 +757,8 @@ def main():
   # to XLA; 256 replicated ids are split over "x" by the routed step itself.
   auto = jax.make_mesh((NUM_DEVICES,), ("x",), axis_types=(AxisType.Auto,))
   for batch in (250, 256):
+    if f"auto/replicated_batch_of_{batch}" in SLOW_RUNS and not every_run:
+      continue
     reference = train("plain", "cross_device_duplicates", batch=batch)
     with osa.sharded_routing(auto_axis="x"):
       run = train("plain", "cross_device_duplicates", mesh=auto, batch_axis=None, batch=batch)
@@ -773,6 +777,8 @@ def main():
     ("all_options", P(None, "x"), "column_table"),
     ("rowwise", P(None, "x"), "rowwise_column_table"),
   ):
+    if f"auto_default/{name}" in SLOW_RUNS and not every_run:
+      continue
     reference = train(opt_name, "cross_device_duplicates")
     run = train(opt_name, "cross_device_duplicates", mesh=auto, table_spec=table_spec)
     run["max_abs_diff"] = compare(run, reference)

@@ -1,7 +1,8 @@
 """Which routed runs only the slow tier checks (`-m slow`); shared by the checks and the test.
 
 Each is a variant whose arithmetic another default run covers: a single option that
-`all_options` also turns on, a second capacity factor, a second mesh mode. Kept out of
+`all_options` also turns on, a second capacity factor, a second mesh mode, another
+id pattern through the same path. Kept out of
 the default command for the suite's time; this module imports nothing that starts JAX.
 """
 
@@ -19,5 +20,26 @@ SLOW_RUNS = frozenset(
     *(
       f"auto_default/{name}/cross_device_duplicates/cf2" for name in ("rowwise", "catch_up", "bf16")
     ),
+    # Variants of runs the default tier keeps: another id pattern, mesh mode or option.
+    *(f"explicit/plain/{kind}/cf2" for kind in ("uniform", "spread_to_all")),
+    "auto/plain/one_owner/cf2",
+    *(
+      f"explicit/{name}/cross_device_duplicates/cf2"
+      for name in ("apply_if_finite", "rowwise", "catch_up")
+    ),
+    "explicit/all_options/one_owner/cf2",
+    "explicit/stochastic/device_local_rows/cf2",
+    "auto_default/stochastic/zipf/cf1",
+    *(f"auto_default/plain/{kind}/cf2" for kind in ("uniform", "one_owner")),
+    "auto_default/all_options/zipf/cf1",
+    *(
+      f"{mode}/optax_apply_if_finite/cross_device_duplicates/cf2"
+      for mode in ("auto", "auto_default")
+    ),
+    "auto_off/all_options/zipf/cf2",
+    "two_axes/batch_over_y",
+    "auto/replicated_batch_of_250",
+    "auto_default/column_table",
+    "auto_default/rowwise_column_table",
   }
 )

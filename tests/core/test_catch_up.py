@@ -26,6 +26,7 @@ from jax.experimental import sparse
 
 import optax_sparse_adam as osa
 from optax_sparse_adam._backends import choice
+from tests._helpers import tiered
 
 F64 = np.float64
 PATHS = {
@@ -240,7 +241,13 @@ CASES += [(name, "default") for name in ("adam", "adamw", "amsgrad")]
 CASES += [(name, "accelerator") for name in ("adamw", "amsgrad")]
 
 
-@pytest.mark.parametrize(("name", "path"), CASES)
+# The generic path for every option in the slow tier; the default tier keeps Adam, AdamW
+# and eps ~ 0 there (the kernel's arithmetic of every option: test_cpu_catch_up).
+SLOW_CASES = {("adam_large_eps", "generic"), ("amsgrad", "generic"), ("maximize", "generic")}
+SLOW_CASES |= {("amsgrad", "accelerator")}
+
+
+@pytest.mark.parametrize(("name", "path"), tiered(CASES, lambda case: case in SLOW_CASES))
 def test_touched_rows_follow_dense_adam(name, path):
   steps = 37
   params, state, caught, ref, bound = run(OPTIONS[name], touch_pattern(steps), path=path)
@@ -257,6 +264,7 @@ def test_touched_rows_follow_dense_adam(name, path):
   np.testing.assert_array_equal(state.row_last_step, [37] * VOCAB)
 
 
+@pytest.mark.slow  # eager ops compile one by one; the jitted steps are the default tier's
 def test_without_jit():
   # 7 eager steps (eager ops are slow): rows 0, 1, 2 and 4 are touched at the last one.
   params, state, _, ref, bound = run(OPTIONS["adamw"], touch_pattern(7), jit=False)

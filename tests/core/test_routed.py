@@ -140,7 +140,7 @@ def test_routed_training_matches_one_device(checks, run):
 
 
 @pytest.mark.parametrize(
-  "run", ["explicit/plain/one_owner/cf2", "explicit/all_options/one_owner/cf2"]
+  "run", tiered(["explicit/plain/one_owner/cf2", "explicit/all_options/one_owner/cf2"])
 )
 def test_an_overflowing_step_sums_in_one_devices_order(checks, run):
   """All ids of all devices on one owner overflow every bucket: the overflow path
@@ -152,13 +152,16 @@ def test_an_overflowing_step_sums_in_one_devices_order(checks, run):
 @pytest.mark.parametrize(
   ("run", "overflowed"),
   [
-    ("explicit/plain/spread_to_all/cf1", 0),
-    ("explicit/plain/one_owner/cf2", 3),
-    ("auto/plain/one_owner/cf2", 3),
-    ("auto_default/all_options/cross_device_duplicates/cf2", 0),
-    ("auto_default/plain/one_owner/cf2", 3),
-    ("auto_default/replicated_table", None),
-    ("two_axes/batch_over_y", None),
+    pytest.param(run, overflowed, marks=[pytest.mark.slow] if run in SLOW_RUNS else [])
+    for run, overflowed in (
+      ("explicit/plain/spread_to_all/cf1", 0),
+      ("explicit/plain/one_owner/cf2", 3),
+      ("auto/plain/one_owner/cf2", 3),
+      ("auto_default/all_options/cross_device_duplicates/cf2", 0),
+      ("auto_default/plain/one_owner/cf2", 3),
+      ("auto_default/replicated_table", None),
+      ("two_axes/batch_over_y", None),
+    )
   ],
 )
 def test_routing_stats_count_the_steps_that_overflowed(checks, run, overflowed):
@@ -291,7 +294,7 @@ def test_the_donated_routed_step_updates_the_table_in_place(checks, run):
   assert result["largest_copy"] < shard_elements, (result["largest_copy"], shard_elements)
 
 
-@pytest.mark.parametrize("run", UNROUTED_RUNS)
+@pytest.mark.parametrize("run", tiered(UNROUTED_RUNS))
 def test_a_batch_split_otherwise_or_not_divisible_is_left_to_xla(checks, run):
   """A batch over another axis than the table's rows, or one whose size is not a
   multiple of the axis size: the step XLA partitions, with one device's numbers."""
@@ -300,7 +303,8 @@ def test_a_batch_split_otherwise_or_not_divisible_is_left_to_xla(checks, run):
 
 
 @pytest.mark.parametrize(
-  "run", [*OPTAX_APPLY_IF_FINITE_RUNS, "explicit/apply_if_finite/cross_device_duplicates/cf2"]
+  "run",
+  tiered([*OPTAX_APPLY_IF_FINITE_RUNS, "explicit/apply_if_finite/cross_device_duplicates/cf2"]),
 )
 def test_apply_if_finite_skips_the_nonfinite_step_of_a_row_sharded_table(checks, run):
   """The second step's gradient holds a NaN: skipped, as on one device. optax's own
@@ -316,7 +320,7 @@ def test_apply_if_finite_skips_the_nonfinite_step_of_a_row_sharded_table(checks,
     assert not warned, result["warnings"]
 
 
-@pytest.mark.parametrize("run", list(KEPT_LAYOUTS))
+@pytest.mark.parametrize("run", tiered(list(KEPT_LAYOUTS)))
 def test_tables_not_split_by_rows_under_auto_axes_keep_their_layout_unrouted(checks, run):
   """Default settings under Auto axes: a replicated or column-split table is stepped as
   the partitioner laid it out, with no all-to-all and nothing of the table's size moved,

@@ -24,7 +24,7 @@ from jax.experimental import sparse
 import optax_sparse_adam as osa
 from optax_sparse_adam._backends import choice
 from optax_sparse_adam._backends.cpu import kernels
-from tests._helpers import assert_paths_agree, cpu_only, train_step
+from tests._helpers import assert_paths_agree, cpu_only, tiered, train_step
 
 ROWS, DIM, NSE, STEPS = 30, 6, 12, 4
 
@@ -198,9 +198,17 @@ def _bits(tree):
   return [(np.asarray(x).dtype, np.asarray(x).tobytes()) for x in jax.tree.leaves(tree)]
 
 
-@pytest.mark.parametrize("jit", [True, False], ids=["jit", "eager"])
+PATH_CASES = [
+  (name, jit)
+  for name in ["default", "maximize", "amsgrad", "adamw", "per_row_bias_correction"]
+  for jit in (True, False)
+]
+
+
 @pytest.mark.parametrize(
-  "name", ["default", "maximize", "amsgrad", "adamw", "per_row_bias_correction"]
+  ("name", "jit"),
+  tiered(PATH_CASES, lambda case: not case[1] and case[0] != "default"),
+  ids=[f"{name}-{'jit' if jit else 'eager'}" for name, jit in PATH_CASES],
 )
 def test_paths_agree_bit_for_bit(name, jit):
   """The fused CPU kernel (where it applies), the XLA ops and the accelerator step: the same
