@@ -20,12 +20,13 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from optax_sparse_adam._backends import accelerator, choice, xla
+from optax_sparse_adam._backends import accelerator, choice, one_device, xla
 from optax_sparse_adam._backends.cpu import kernels
 from optax_sparse_adam._backends.protocol import StepBackend
 from optax_sparse_adam._core import coalesce
 from optax_sparse_adam._core.bcoo import RowLayout
 from optax_sparse_adam._core.rules import RowsStep, StepInputs, StepPlan
+from optax_sparse_adam._core.sharded import sharding
 
 
 def masked_step(inputs: StepInputs, plan: StepPlan) -> RowsStep:
@@ -47,24 +48,27 @@ def masked_step(inputs: StepInputs, plan: StepPlan) -> RowsStep:
     return call
 
   generic = bound(xla.masked_step)
-  on_cpu = generic
-  if kernels.step_applies(inputs, plan):  # the rule's fused kernel
-    on_cpu = bound(kernels.masked_step)
-  elif all(
-    kernels.store_applies(table, nse=inputs.rows.shape[0], num_rows=plan.layout.num_rows)
-    for table in inputs.tables.slots.values()
-  ):
-    # Any rule: its math in XLA ops, its slots' rows stored in place by the generic kernel.
-    on_cpu = bound(
-      functools.partial(
-        xla.masked_step,
-        coalescer=coalesce.coalesce_and_gather_rows_unmarked,
-        store_rows=_kernel_store(plan.layout),
+
+  def on_cpu() -> Callable[..., RowsStep] | None:
+    if kernels.step_applies(inputs, plan):  # the rule's fused kernel
+      return bound(kernels.masked_step)
+    if kernels.generic_step_applies(inputs, plan):
+      # Any rule: the rows coalesced and gathered by the generic kernel, the rule's math in
+      # XLA ops, its tables' rows stored in place by the generic kernel.
+      return bound(
+        functools.partial(
+          xla.masked_step,
+          coalescer=kernels.coalesce_and_gather
+          if kernels.gathers(inputs.values)
+          else coalesce.coalesce_and_gather_rows_unmarked,
+          store_rows=_kernel_store(plan.layout),
+        )
       )
-    )
+    return None
+
   return _by_backend(
     (inputs._replace(hyper=None), [leaves[i] for i in traced]),
-    cpu=on_cpu,
+    cpu=_on_cpu(on_cpu, (inputs.rows, inputs.values, inputs.tables), generic),
     accelerator=bound(accelerator.masked_step),
     generic=generic,
   )
@@ -95,28 +99,36 @@ def scatter_add(
     xla.scatter_add, layout=layout, rows_unique=rows_unique, rows_sorted=rows_sorted
   )
   generic = xla_add
-  on_cpu: Callable[..., jax.Array] = generic
-  if param.dtype == jnp.bfloat16 and kernels.store_applies(
-    param, nse=rows.shape[0], num_rows=layout.num_rows
-  ):
-    # XLA's sums, rounded once, stored in place: no bfloat16 table copy.
-    on_cpu = functools.partial(xla_add, store_rows=_kernel_store(layout))
 
-  elif kernels.scatter_add_applies(param, values, layout=layout):
+  def on_cpu() -> Callable[..., jax.Array] | None:
+    if param.dtype == jnp.bfloat16 and kernels.store_applies(
+      param, nse=rows.shape[0], num_rows=layout.num_rows
+    ):
+      # XLA's sums, rounded once, stored in place: no bfloat16 table copy.
+      return functools.partial(xla_add, store_rows=_kernel_store(layout))
+    if kernels.scatter_add_applies(param, values, layout=layout):
 
-    def on_cpu(param, rows, values):
-      # The kernel takes the parameter in its own shape: a reshaped operand that
-      # it updates in place would be copied by XLA.
-      return kernels.scatter_add_rows(
-        param, rows, values, num_rows=layout.num_rows, rows_unique=rows_unique
-      )
+      def add(param, rows, values):
+        # The kernel takes the parameter in its own shape: a reshaped operand that
+        # it updates in place would be copied by XLA.
+        return kernels.scatter_add_rows(
+          param, rows, values, num_rows=layout.num_rows, rows_unique=rows_unique
+        )
+
+      return add
+    return None
 
   # One scatter-add of the parameter's own dtype, no sort, on GPUs and TPUs.
   # An update from sparse_adam repeats no row (its padding rows are dropped),
   # but its flags mirror the gradient's, so they cannot promise that to XLA.
   on_accelerator = functools.partial(xla_add, through_bits=False)
 
-  return _by_backend((param, rows, values), cpu=on_cpu, accelerator=on_accelerator, generic=generic)
+  return _by_backend(
+    (param, rows, values),
+    cpu=_on_cpu(on_cpu, (param, rows, values), generic),
+    accelerator=on_accelerator,
+    generic=generic,
+  )
 
 
 def store_rows(
@@ -146,16 +158,52 @@ def store_rows(
 
   # XLA:CPU has no 16-bit float scatter: the bits are stored there and elsewhere.
   generic = through(True)
-  on_cpu: Callable[..., jax.Array] = generic
-  if kernels.store_applies(param, nse=rows.shape[0], num_rows=layout.num_rows):
 
-    def on_cpu(param, rows, values):
+  def on_cpu() -> Callable[..., jax.Array] | None:
+    if not kernels.store_applies(param, nse=rows.shape[0], num_rows=layout.num_rows):
+      return None
+
+    def store(param, rows, values):
       # The same bits, stored in place by the generic kernel (no 16-bit table copy).
       return kernels.store_rows(
         param, rows, values, num_rows=layout.num_rows, rows_unique=rows_unique
       )
 
-  return _by_backend((param, rows, values), cpu=on_cpu, accelerator=through(False), generic=generic)
+    return store
+
+  return _by_backend(
+    (param, rows, values),
+    cpu=_on_cpu(on_cpu, (param, rows, values), generic),
+    accelerator=through(False),
+    generic=generic,
+  )
+
+
+def _on_cpu(
+  kernel: Callable[[], Callable[..., Any] | None], arrays: Any, generic: Callable[..., Any]
+) -> Callable[..., Any]:
+  """The CPU's path: `kernel()` (the kernels' path, or None where none applies), else `generic`.
+
+  The kernels run only on arrays on one device. Where that is known now, they are
+  chosen now; where the arrays' types do not say (jit in a process with several
+  CPU devices), the kernels are traced as for one device and chosen when the
+  program is lowered, if it is lowered for one device (`one_device`).
+  """
+  now = kernel()
+  if now is not None:
+    return now
+  if not sharding.possibly_on_one_cpu_device(arrays):
+    return generic
+  with sharding.lowering_per_shard():
+    later = kernel()
+  if later is None:
+    return generic
+
+  def per_device(*args: Any) -> Any:
+    with sharding.lowering_per_shard():
+      return later(*args)
+
+  return one_device.on_one_device(per_device, generic)
 
 
 _ACCELERATOR_PLATFORMS = ("cuda", "rocm", "tpu")
