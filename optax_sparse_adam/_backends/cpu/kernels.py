@@ -377,8 +377,8 @@ def generic_step_applies(inputs: StepInputs, plan: StepPlan) -> bool:
 
 
 def gathers(values: jax.Array) -> bool:
-  """Whether `coalesce_and_gather` sums these gradient values (float32) as XLA does."""
-  return jnp.dtype(values.dtype) == jnp.dtype(jnp.float32)
+  """Whether `coalesce_and_gather` sums these gradient values (float32, bfloat16, float16)."""
+  return jnp.dtype(values.dtype) in _STORED_DTYPES
 
 
 def coalesce_and_gather(
@@ -391,8 +391,9 @@ def coalesce_and_gather(
   """`coalesce.coalesce_and_gather_rows` (a `Coalescer`) by one call of the generic kernel.
 
   `row_gather.cc`: the gradient's rows coalesced (each row's entries summed in
-  input order from +0.0) and every table's rows gathered at them (zeros at
-  padding), the same bits as the XLA ops. The tables are left untouched.
+  input order from +0.0, each add rounded to the values' dtype) and every
+  table's rows gathered at them (zeros at padding), the same bits as the XLA
+  ops. The tables are left untouched.
   """
   given = [t for t in (*tables, *read_only) if t is not None]
   call = jax.ffi.ffi_call(

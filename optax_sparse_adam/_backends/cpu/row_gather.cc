@@ -4,10 +4,11 @@
 // XLA ops on the gathered block, and the generic store (`row_store.cc`) writes
 // its rows back in place: no per-rule C++.
 //
-// XLA:CPU sorts, searches and gathers element by element; this does the
-// coalescing of `ffi_common.h` (a stable radix sort, each row's entries summed in
-// input order from +0.0, as `coalesce.coalesce_and_gather_rows` sums them) and
-// copies each table's row bytes at each distinct row, zeros at padding slots (as
+// XLA:CPU sorts, searches and gathers element by element; this sorts the rows
+// (`ffi_common.h`'s stable radix sort), sums each row's entries in input order
+// from +0.0, each add rounded to the gradient's dtype (float32, bfloat16 or
+// float16), as `coalesce.coalesce_and_gather_rows` sums them, and copies each
+// table's row bytes at each distinct row, zeros at padding slots (as
 // `bcoo.gather_rows` fills them): XLA's bits by construction.
 
 #include <cstdint>
@@ -25,18 +26,123 @@ struct GatheredTable {
   int64_t row_bytes;
 };
 
-ffi::Error CoalesceGatherImpl(ffi::Buffer<ffi::S32> rows, ffi::Buffer<ffi::F32> values,
+// float16 <-> float32, rounded to nearest even, NaN made quiet (as XLA converts).
+inline float HalfToFloat(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  const uint32_t magnitude = h & 0x7FFFu;
+  if (magnitude >= 0x7C00u) return WithBits(sign | 0x7F800000u | ((magnitude & 0x3FFu) << 13));
+  if (magnitude < 0x400u) {  // subnormal: an exact product
+    return WithBits(sign | Bits(static_cast<float>(magnitude) * 5.9604644775390625e-8f));
+  }
+  return WithBits(sign | ((magnitude << 13) + 0x38000000u));
+}
+inline uint16_t FloatToHalf(float x) {
+  uint32_t word = Bits(x);
+  const uint32_t sign = (word >> 16) & 0x8000u;
+  word &= 0x7FFFFFFFu;
+  uint32_t half;
+  if (word >= 0x47800000u) {  // 2^16 and above: inf, or NaN (made quiet)
+    half = word > 0x7F800000u ? 0x7E00u | ((word >> 13) & 0x3FFu) : 0x7C00u;
+  } else if (word < 0x38800000u) {  // below 2^-14: the FPU rounds the subnormal
+    half = Bits(WithBits(word) + 0.5f) - 0x3F000000u;
+  } else {  // rebias the exponent and round to nearest even (a carry may reach inf)
+    half = (word + 0xC8000FFFu + ((word >> 13) & 1u)) >> 13;
+  }
+  return static_cast<uint16_t>(half | sign);
+}
+
+// The gradient's values, as float32, and their sums rounded to the values' dtype.
+enum ValueType : int { kF32 = 0, kBF16 = 1, kF16 = 2 };
+template <int kType>
+inline float Load(const void* values, int64_t i) {
+  if constexpr (kType == kF32) return static_cast<const float*>(values)[i];
+  const uint16_t bits = static_cast<const uint16_t*>(values)[i];
+  if constexpr (kType == kBF16) return ToFloat(bits);
+  return HalfToFloat(bits);
+}
+template <int kType>
+inline float Rounded(float x) {
+  if constexpr (kType == kF32) return x;
+  if constexpr (kType == kBF16) return ToFloat(Bf16Bits<false>(x, 0));
+  return HalfToFloat(FloatToHalf(x));
+}
+template <int kType>
+inline void Store(void* out, int64_t i, float x) {
+  if constexpr (kType == kF32) {
+    static_cast<float*>(out)[i] = x;
+  } else if constexpr (kType == kBF16) {
+    static_cast<uint16_t*>(out)[i] = Bf16Bits<false>(x, 0);
+  } else {
+    static_cast<uint16_t*>(out)[i] = FloatToHalf(x);
+  }
+}
+
+// Each distinct row's entries summed in input order from +0.0, every add rounded
+// to the values' dtype (as XLA adds 16-bit floats), and every table's row gathered.
+template <int kType>
+void CoalesceGather(const int32_t* rows, int64_t nse, const void* values, int64_t num_rows,
+                    int64_t row_size, const std::vector<GatheredTable>& tables,
+                    ffi::ThreadPool& pool, int32_t* out_rows, void* sums) {
+  std::vector<uint32_t> sorted_rows, position;
+  const int64_t n = SortRows(rows, nse, num_rows, sorted_rows, position);
+  std::vector<int64_t> starts;  // the first sorted entry of each distinct row, then n
+  for (int64_t i = 0; i < n; ++i) {
+    if (i == 0 || sorted_rows[i] != sorted_rows[i - 1]) starts.push_back(i);
+  }
+  const int64_t num_unique = static_cast<int64_t>(starts.size());
+  starts.push_back(n);
+  const int64_t num_chunks = std::max<int64_t>(
+      1, std::min<int64_t>(num_unique, kChunksPerThread * (pool.num_threads() + 1)));
+  auto run_chunk = [&](int64_t chunk) {
+    std::vector<float> acc(row_size);
+    const int64_t begin = num_unique * chunk / num_chunks;
+    const int64_t end = num_unique * (chunk + 1) / num_chunks;
+    for (int64_t s = begin; s < end; ++s) {
+      if (s + kPrefetchRows < end) {
+        const int64_t ahead = sorted_rows[starts[s + kPrefetchRows]];
+        for (const GatheredTable& t : tables) {
+          PrefetchRow(t.rows + ahead * t.row_bytes, t.row_bytes);
+        }
+      }
+      const int64_t row = sorted_rows[starts[s]];
+      out_rows[s] = static_cast<int32_t>(row);
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      for (int64_t e = starts[s]; e < starts[s + 1]; ++e) {
+        const int64_t first = static_cast<int64_t>(position[e]) * row_size;
+        for (int64_t j = 0; j < row_size; ++j) {
+          acc[j] = Rounded<kType>(acc[j] + Load<kType>(values, first + j));
+        }
+      }
+      for (int64_t j = 0; j < row_size; ++j) Store<kType>(sums, s * row_size + j, acc[j]);
+      for (const GatheredTable& t : tables) {
+        std::memcpy(t.out + s * t.row_bytes, t.rows + row * t.row_bytes, t.row_bytes);
+      }
+    }
+  };
+  ParallelFor(pool, num_chunks, num_unique * row_size, run_chunk);
+  for (int64_t s = num_unique; s < nse; ++s) {  // padding slots: out of range, zeros
+    out_rows[s] = static_cast<int32_t>(num_rows + s);
+    for (int64_t j = 0; j < row_size; ++j) Store<kType>(sums, s * row_size + j, 0.0f);
+    for (const GatheredTable& t : tables) std::memset(t.out + s * t.row_bytes, 0, t.row_bytes);
+  }
+}
+
+ffi::Error CoalesceGatherImpl(ffi::Buffer<ffi::S32> rows, ffi::AnyBuffer values,
                               ffi::RemainingArgs tables, int64_t num_rows, ffi::ThreadPool pool,
                               ffi::Result<ffi::Buffer<ffi::S32>> out_rows,
-                              ffi::Result<ffi::Buffer<ffi::F32>> out_values,
+                              ffi::Result<ffi::AnyBuffer> out_values,
                               ffi::RemainingRets gathered) {
   const int64_t nse = static_cast<int64_t>(rows.element_count());
-  const int64_t row_size =
-      nse == 0 ? 0 : static_cast<int64_t>(values.element_count()) / nse;
-  if (nse == 0 || row_size == 0 || row_size * nse != static_cast<int64_t>(values.element_count())) {
+  const int64_t count = static_cast<int64_t>(values.element_count());
+  const int64_t row_size = nse == 0 ? 0 : count / nse;
+  if (nse == 0 || row_size == 0 || row_size * nse != count) {
     return ffi::Error::InvalidArgument("values must hold nse > 0 rows of at least one value");
   }
-  if (num_rows <= 0 || tables.size() != gathered.size()) {
+  const ffi::DataType type = values.element_type();
+  if (type != ffi::DataType::F32 && type != ffi::DataType::BF16 && type != ffi::DataType::F16) {
+    return ffi::Error::InvalidArgument("values must be float32, bfloat16 or float16");
+  }
+  if (num_rows <= 0 || tables.size() != gathered.size() || out_values->element_type() != type) {
     return ffi::Error::InvalidArgument("one gathered output per table, num_rows > 0");
   }
   std::vector<GatheredTable> ts;
@@ -56,22 +162,16 @@ ffi::Error CoalesceGatherImpl(ffi::Buffer<ffi::S32> rows, ffi::Buffer<ffi::F32> 
     ts.push_back({static_cast<const char*>(table->untyped_data()),
                   static_cast<char*>((*out)->untyped_data()), row_bytes});
   }
-  int32_t* r = out_rows->typed_data();
-  float* sums = out_values->typed_data();
-  auto prefetch = [&](int64_t row) {
-    for (const GatheredTable& t : ts) PrefetchRow(t.rows + row * t.row_bytes, t.row_bytes);
-  };
-  // `g` is the distinct row's slot in `sums`: its position gives the slot.
-  auto gather = [&](int64_t row, int64_t, float* g) {
-    const int64_t slot = (g - sums) / row_size;
-    for (const GatheredTable& t : ts) {
-      std::memcpy(t.out + slot * t.row_bytes, t.rows + row * t.row_bytes, t.row_bytes);
-    }
-  };
-  CoalescedRowsStep(rows.typed_data(), nse, values.typed_data(), num_rows, row_size, pool, r,
-                    sums, prefetch, gather);
-  for (int64_t s = nse - 1; s >= 0 && r[s] >= num_rows; --s) {  // padding slots: zeros
-    for (const GatheredTable& t : ts) std::memset(t.out + s * t.row_bytes, 0, t.row_bytes);
+  const int32_t* r = rows.typed_data();
+  const void* v = values.untyped_data();
+  int32_t* rows_out = out_rows->typed_data();
+  void* sums = out_values->untyped_data();
+  if (type == ffi::DataType::F32) {
+    CoalesceGather<kF32>(r, nse, v, num_rows, row_size, ts, pool, rows_out, sums);
+  } else if (type == ffi::DataType::BF16) {
+    CoalesceGather<kBF16>(r, nse, v, num_rows, row_size, ts, pool, rows_out, sums);
+  } else {
+    CoalesceGather<kF16>(r, nse, v, num_rows, row_size, ts, pool, rows_out, sums);
   }
   return ffi::Error::Success();
 }
@@ -81,10 +181,10 @@ ffi::Error CoalesceGatherImpl(ffi::Buffer<ffi::S32> rows, ffi::Buffer<ffi::F32> 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(OsaCoalesceGather, CoalesceGatherImpl,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .RemainingArgs()
                                   .Attr<int64_t>("num_rows")
                                   .Ctx<ffi::ThreadPool>()
                                   .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::AnyBuffer>()
                                   .RemainingRets());
