@@ -30,9 +30,7 @@ Run from the repository root:
 """
 
 import argparse
-import dataclasses
 import time
-from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -40,31 +38,9 @@ from jax.experimental import sparse
 
 import optax_sparse_adam as osa
 from benchmarks import _common as c
+from benchmarks._user_rule import UserHyper, UserRowwiseAdagrad
 from benchmarks.bench_options import OPTIONS, _Stepper, _summary, _times
 from optax_sparse_adam._backends import choice
-
-
-class _UserHyper(NamedTuple):
-  learning_rate: Any
-  eps: Any = 1e-8
-  weight_decay: Any = None
-
-
-@dataclasses.dataclass(frozen=True)
-class _UserRowwiseAdagrad:
-  """docs/architecture.md's rule, as a user writes it in their own file (no kernel)."""
-
-  name: str = dataclasses.field(default="bench_user_rowwise_adagrad", init=False)
-
-  def slots(self):
-    return (osa.Slot("sum", per_row=True),)
-
-  def update(self, block, hyper):
-    g = block.grad
-    total = block.slots["sum"] + jnp.mean(g * g, axis=1)
-    rate = hyper.learning_rate / (jnp.sqrt(total) + hyper.eps)
-    return -rate[:, None] * g, {"sum": total}
-
 
 # Rules with no fused kernel: the generic kernels on the CPU (and, for reference, the XLA ops).
 NO_KERNEL = [
@@ -75,7 +51,7 @@ NO_KERNEL = [
   ),
   (
     "user rule (architecture page)",
-    osa.sparse_rule_transformation(_UserRowwiseAdagrad(), _UserHyper(1e-2)),
+    osa.sparse_rule_transformation(UserRowwiseAdagrad(), UserHyper(1e-2)),
   ),
 ]
 # Steps on 16-bit tables, beside the float32 table (kernels on).

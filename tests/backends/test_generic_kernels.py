@@ -19,12 +19,13 @@ import pytest
 from jax.experimental import sparse
 
 import optax_sparse_adam as osa
+from benchmarks._user_rule import UserHyper, UserRowwiseAdagrad
 from optax_sparse_adam._backends import choice
 from optax_sparse_adam._backends.cpu import kernels
 from optax_sparse_adam._core import coalesce
 from tests._helpers import BACKEND, train_step
 from tests.backends.test_memory import DIM, NUM_ROWS, _grad, _table_copies
-from tests.backends.test_row_store import _bits, _Hyper, _UserRowwiseAdagrad
+from tests.backends.test_row_store import _bits
 
 pytestmark = pytest.mark.skipif(
   BACKEND != "cpu" or not kernels.available(), reason="the CPU kernels run on the CPU only"
@@ -38,7 +39,7 @@ OPTS = {
     0.1, weight_decay=0.01, weight_decay_mode="decoupled", max_norm=1.0
   ),
   "ftrl": lambda: osa.sparse_ftrl(0.2, l1_regularization_strength=0.05),
-  "user_rule": lambda: osa.sparse_rule_transformation(_UserRowwiseAdagrad(), _Hyper(0.1)),
+  "user_rule": lambda: osa.sparse_rule_transformation(UserRowwiseAdagrad(), UserHyper(0.1)),
   "adam": lambda: osa.sparse_adam(1e-2),
   "adam_amsgrad_l2": lambda: osa.sparse_adam(1e-2, amsgrad=True, weight_decay=0.01),
   "adamw_per_row": lambda: osa.sparse_adamw(1e-2, per_row_bias_correction=True),

@@ -1,23 +1,27 @@
-"""The fused CPU kernels (`kernels.cc`): each rule's kernel variant, and when to use it.
+"""The CPU kernels: the generic kernels every rule runs, the fused variants, and when to use them.
 
-XLA:CPU runs gathers and scatters element by element; these XLA FFI kernels do
-a step's coalescing, slot updates and parameter scatter-add in one pass per
-table instead. A rule with a kernel variant is listed in `_VARIANTS` by its
-name; the variant computes what `xla.masked_step` computes with that rule, bit
-for bit (catch-up of idle rows to float32 rounding: its per-row powers use the
-C library's exp). The Adam and row-wise Adam variants (their calls:
-`moment_steps`) are used where they apply: on the CPU, float32 gradient (and
-parameter, read for weight decay), float32 or bfloat16 moments (stored in
-place, rounded as the step asks), with any of the pipeline's options (L2 or
-decoupled weight decay, amsgrad, per-row bias correction; for Adam, catch-up
-of idle rows), and arrays known to be on one device (XLA cannot partition a
-custom call: it would gather a sharded table onto every device, so possibly
-sharded tables keep the XLA path). Weight decay needs the step's rounding zero
+XLA:CPU runs gathers and scatters element by element. Every rule's step runs on
+the generic kernels: `coalesce_and_gather` (`row_gather.cc`: the gradient's rows
+coalesced, every table's rows gathered at them) before the rule's math, traced
+by XLA, and `store_rows` (`row_store.cc`: rows stored in place into a donated
+table of any dtype) after it: the XLA ops' bits, by construction. A rule with a
+hand-fused variant, listed in `_VARIANTS` by its name, runs it where it applies
+(kept only where it measured faster than the generic kernels:
+`benchmarks/bench_rules.py`): the variant computes what `xla.masked_step`
+computes with that rule, bit for bit (catch-up of idle rows to float32 rounding:
+its per-row powers use the C library's exp). The Adam and row-wise Adam variants
+(their calls: `moment_steps`) take a float32 gradient (and parameter, read for
+weight decay), float32 or bfloat16 moments (stored in place, rounded as the step
+asks), with any of the pipeline's options (L2 or decoupled weight decay,
+amsgrad, per-row bias correction; for Adam, catch-up of idle rows). Every kernel
+runs only on arrays on one device (XLA cannot partition a custom call: it would
+gather a sharded table onto every device); where the arrays' types do not say,
+the choice is made when the step is lowered (`_backends.one_device`). Weight
+decay in a fused variant needs the step's rounding zero
 (`StepInputs.opaque_zero`, which `sparse_adam` always gives): with it the XLA
-path rounds the decay's terms as the kernels do. Everything else runs XLA ops;
-`lax.platform_dependent` picks per backend when the step is lowered
-(`_backends.dispatch`). Under `jax.vmap` the kernels run once per batch
-element.
+path rounds the decay's terms as the kernels do. `lax.platform_dependent` picks
+per backend when the step is lowered (`_backends.dispatch`). Under `jax.vmap`
+the kernels run once per batch element.
 
 Set `OPTAX_SPARSE_ADAM_CPU_KERNELS=0` (before the first step is traced), or use
 `use_cpu_kernels(False)`, to use the XLA path on the CPU too.

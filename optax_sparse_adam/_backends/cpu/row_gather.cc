@@ -27,27 +27,31 @@ struct GatheredTable {
 };
 
 // float16 <-> float32, rounded to nearest even, NaN made quiet (as XLA converts).
+// Branch-free (every case computed, one selected; int32 compares, which AVX2
+// has), so the row loops vectorize.
 inline float HalfToFloat(uint16_t h) {
   const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
-  const uint32_t magnitude = h & 0x7FFFu;
-  if (magnitude >= 0x7C00u) return WithBits(sign | 0x7F800000u | ((magnitude & 0x3FFu) << 13));
-  if (magnitude < 0x400u) {  // subnormal: an exact product
-    return WithBits(sign | Bits(static_cast<float>(magnitude) * 5.9604644775390625e-8f));
-  }
-  return WithBits(sign | ((magnitude << 13) + 0x38000000u));
+  const int32_t magnitude = h & 0x7FFF;
+  const uint32_t normal = (static_cast<uint32_t>(magnitude) << 13) + 0x38000000u;
+  const uint32_t inf_nan = 0x7F800000u | (static_cast<uint32_t>(magnitude & 0x3FF) << 13);
+  // A subnormal is an exact product.
+  const uint32_t subnormal = Bits(static_cast<float>(magnitude) * 5.9604644775390625e-8f);
+  const uint32_t word = magnitude >= 0x7C00 ? inf_nan : (magnitude < 0x400 ? subnormal : normal);
+  return WithBits(sign | word);
 }
 inline uint16_t FloatToHalf(float x) {
-  uint32_t word = Bits(x);
-  const uint32_t sign = (word >> 16) & 0x8000u;
-  word &= 0x7FFFFFFFu;
-  uint32_t half;
-  if (word >= 0x47800000u) {  // 2^16 and above: inf, or NaN (made quiet)
-    half = word > 0x7F800000u ? 0x7E00u | ((word >> 13) & 0x3FFu) : 0x7C00u;
-  } else if (word < 0x38800000u) {  // below 2^-14: the FPU rounds the subnormal
-    half = Bits(WithBits(word) + 0.5f) - 0x3F000000u;
-  } else {  // rebias the exponent and round to nearest even (a carry may reach inf)
-    half = (word + 0xC8000FFFu + ((word >> 13) & 1u)) >> 13;
-  }
+  const uint32_t bits = Bits(x);
+  const uint32_t sign = (bits >> 16) & 0x8000u;
+  const uint32_t word = bits & 0x7FFFFFFFu;
+  const int32_t magnitude = static_cast<int32_t>(word);
+  // Normal: rebias the exponent and round to nearest even (a carry may reach inf).
+  const uint32_t normal = (word + 0xC8000FFFu + ((word >> 13) & 1u)) >> 13;
+  // Below 2^-14: the FPU rounds the subnormal (0.5's ulp is float16's smallest).
+  const uint32_t subnormal = Bits(WithBits(word) + 0.5f) - 0x3F000000u;
+  // 2^16 and above: inf, or NaN (made quiet).
+  const uint32_t inf_nan = magnitude > 0x7F800000 ? 0x7E00u | ((word >> 13) & 0x3FFu) : 0x7C00u;
+  const uint32_t half =
+      magnitude >= 0x47800000 ? inf_nan : (magnitude < 0x38800000 ? subnormal : normal);
   return static_cast<uint16_t>(half | sign);
 }
 
@@ -85,12 +89,8 @@ void CoalesceGather(const int32_t* rows, int64_t nse, const void* values, int64_
                     ffi::ThreadPool& pool, int32_t* out_rows, void* sums) {
   std::vector<uint32_t> sorted_rows, position;
   const int64_t n = SortRows(rows, nse, num_rows, sorted_rows, position);
-  std::vector<int64_t> starts;  // the first sorted entry of each distinct row, then n
-  for (int64_t i = 0; i < n; ++i) {
-    if (i == 0 || sorted_rows[i] != sorted_rows[i - 1]) starts.push_back(i);
-  }
-  const int64_t num_unique = static_cast<int64_t>(starts.size());
-  starts.push_back(n);
+  const std::vector<int64_t> starts = RunStarts(sorted_rows, n);
+  const int64_t num_unique = static_cast<int64_t>(starts.size()) - 1;
   const int64_t num_chunks = std::max<int64_t>(
       1, std::min<int64_t>(num_unique, kChunksPerThread * (pool.num_threads() + 1)));
   auto run_chunk = [&](int64_t chunk) {
