@@ -6,8 +6,8 @@
 //
 // XLA:CPU sorts, searches and gathers element by element; this sorts the rows
 // (`ffi_common.h`'s stable radix sort), sums each row's entries in input order
-// from +0.0, each add rounded to the gradient's dtype (float32, bfloat16 or
-// float16), as `coalesce.coalesce_and_gather_rows` sums them, and copies each
+// from +0.0, each add rounded to the gradient's dtype (float32 or bfloat16), as
+// `coalesce.coalesce_and_gather_rows` sums them, and copies each
 // table's row bytes at each distinct row, zeros at padding slots (as
 // `bcoo.gather_rows` fills them): XLA's bits by construction.
 
@@ -26,58 +26,25 @@ struct GatheredTable {
   int64_t row_bytes;
 };
 
-// float16 <-> float32, rounded to nearest even, NaN made quiet (as XLA converts).
-// Branch-free (every case computed, one selected; int32 compares, which AVX2
-// has), so the row loops vectorize.
-inline float HalfToFloat(uint16_t h) {
-  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
-  const int32_t magnitude = h & 0x7FFF;
-  const uint32_t normal = (static_cast<uint32_t>(magnitude) << 13) + 0x38000000u;
-  const uint32_t inf_nan = 0x7F800000u | (static_cast<uint32_t>(magnitude & 0x3FF) << 13);
-  // A subnormal is an exact product.
-  const uint32_t subnormal = Bits(static_cast<float>(magnitude) * 5.9604644775390625e-8f);
-  const uint32_t word = magnitude >= 0x7C00 ? inf_nan : (magnitude < 0x400 ? subnormal : normal);
-  return WithBits(sign | word);
-}
-inline uint16_t FloatToHalf(float x) {
-  const uint32_t bits = Bits(x);
-  const uint32_t sign = (bits >> 16) & 0x8000u;
-  const uint32_t word = bits & 0x7FFFFFFFu;
-  const int32_t magnitude = static_cast<int32_t>(word);
-  // Normal: rebias the exponent and round to nearest even (a carry may reach inf).
-  const uint32_t normal = (word + 0xC8000FFFu + ((word >> 13) & 1u)) >> 13;
-  // Below 2^-14: the FPU rounds the subnormal (0.5's ulp is float16's smallest).
-  const uint32_t subnormal = Bits(WithBits(word) + 0.5f) - 0x3F000000u;
-  // 2^16 and above: inf, or NaN (made quiet).
-  const uint32_t inf_nan = magnitude > 0x7F800000 ? 0x7E00u | ((word >> 13) & 0x3FFu) : 0x7C00u;
-  const uint32_t half =
-      magnitude >= 0x47800000 ? inf_nan : (magnitude < 0x38800000 ? subnormal : normal);
-  return static_cast<uint16_t>(half | sign);
-}
-
-// The gradient's values, as float32, and their sums rounded to the values' dtype.
-enum ValueType : int { kF32 = 0, kBF16 = 1, kF16 = 2 };
+// The gradient's values, as float32, and their sums rounded to the values' dtype
+// (float16 gradients are coalesced by XLA, whose conversions use the CPU's F16C).
+enum ValueType : int { kF32 = 0, kBF16 = 1 };
 template <int kType>
 inline float Load(const void* values, int64_t i) {
   if constexpr (kType == kF32) return static_cast<const float*>(values)[i];
-  const uint16_t bits = static_cast<const uint16_t*>(values)[i];
-  if constexpr (kType == kBF16) return ToFloat(bits);
-  return HalfToFloat(bits);
+  return ToFloat(static_cast<const uint16_t*>(values)[i]);
 }
 template <int kType>
 inline float Rounded(float x) {
   if constexpr (kType == kF32) return x;
-  if constexpr (kType == kBF16) return ToFloat(Bf16Bits<false>(x, 0));
-  return HalfToFloat(FloatToHalf(x));
+  return ToFloat(Bf16Bits<false>(x, 0));
 }
 template <int kType>
 inline void Store(void* out, int64_t i, float x) {
   if constexpr (kType == kF32) {
     static_cast<float*>(out)[i] = x;
-  } else if constexpr (kType == kBF16) {
-    static_cast<uint16_t*>(out)[i] = Bf16Bits<false>(x, 0);
   } else {
-    static_cast<uint16_t*>(out)[i] = FloatToHalf(x);
+    static_cast<uint16_t*>(out)[i] = Bf16Bits<false>(x, 0);
   }
 }
 
@@ -139,8 +106,8 @@ ffi::Error CoalesceGatherImpl(ffi::Buffer<ffi::S32> rows, ffi::AnyBuffer values,
     return ffi::Error::InvalidArgument("values must hold nse > 0 rows of at least one value");
   }
   const ffi::DataType type = values.element_type();
-  if (type != ffi::DataType::F32 && type != ffi::DataType::BF16 && type != ffi::DataType::F16) {
-    return ffi::Error::InvalidArgument("values must be float32, bfloat16 or float16");
+  if (type != ffi::DataType::F32 && type != ffi::DataType::BF16) {
+    return ffi::Error::InvalidArgument("values must be float32 or bfloat16");
   }
   if (num_rows <= 0 || tables.size() != gathered.size() || out_values->element_type() != type) {
     return ffi::Error::InvalidArgument("one gathered output per table, num_rows > 0");
@@ -168,10 +135,8 @@ ffi::Error CoalesceGatherImpl(ffi::Buffer<ffi::S32> rows, ffi::AnyBuffer values,
   void* sums = out_values->untyped_data();
   if (type == ffi::DataType::F32) {
     CoalesceGather<kF32>(r, nse, v, num_rows, row_size, ts, pool, rows_out, sums);
-  } else if (type == ffi::DataType::BF16) {
-    CoalesceGather<kBF16>(r, nse, v, num_rows, row_size, ts, pool, rows_out, sums);
   } else {
-    CoalesceGather<kF16>(r, nse, v, num_rows, row_size, ts, pool, rows_out, sums);
+    CoalesceGather<kBF16>(r, nse, v, num_rows, row_size, ts, pool, rows_out, sums);
   }
   return ffi::Error::Success();
 }
