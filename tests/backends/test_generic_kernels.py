@@ -50,7 +50,7 @@ OPTS = {
   "rowwise_adam": lambda: osa.sparse_adam(1e-2, rowwise_second_moment=True, maximize=True),
 }
 # The default tier runs one of each kind of table; the rest are in the slow tier.
-_SLOW = {"sgd", "adagrad", "adam_amsgrad_l2", "rowwise_adam", "user_rule"}
+_SLOW = {"sgd", "adagrad", "adam", "adam_amsgrad_l2", "rowwise_adam", "user_rule"}
 CASES = [
   pytest.param(name, marks=[pytest.mark.slow] if name in _SLOW else [], id=name)
   for name in sorted(OPTS)
@@ -130,7 +130,14 @@ def test_coalescing_and_gathering_equals_the_xla_ops(use_jit, values_dtype):
     np.testing.assert_array_equal(_bits(leaf), _bits(xla_leaf))
 
 
-@pytest.mark.parametrize("name", ["ftrl", "adam_catch_up", "rowwise_adagrad_max_norm"])
+@pytest.mark.parametrize(
+  "name",
+  [
+    "ftrl",
+    pytest.param("adam_catch_up", marks=pytest.mark.slow),
+    pytest.param("rowwise_adagrad_max_norm", marks=pytest.mark.slow),
+  ],
+)
 def test_the_compiled_generic_step_runs_the_kernels_with_no_table_copy(name):
   opt = OPTS[name]()
   params = {"t": jnp.zeros((NUM_ROWS, DIM))}
