@@ -1,16 +1,18 @@
 """Step time of every rule (Adam, SGD, Adagrad, row-wise Adagrad, FTRL) beside torch's, in one run.
 
 Times one training-step update of an embedding table of V rows of D float32
-values from a gradient with B Zipf-drawn ids (popular rows repeat):
+values from a gradient with B ids, Zipf-drawn (popular rows repeat) and uniform:
 
 - each optax transformation's `update` + `apply_updates` in one `jax.jit` step,
-  params and state donated: `sparse_adam` (the fused CPU kernels, and the XLA
-  ops), `sparse_adam(rowwise_second_moment=True)`, `sparse_sgd`, `sparse_adagrad`,
-  `sparse_rowwise_adagrad` (with a recipe's options: lazy momentum; decoupled
-  weight decay and `max_norm`), each with the CPU kernel and with the XLA ops;
+  params and state donated. The rules with a hand-fused CPU kernel (`sparse_sgd`,
+  with lazy momentum, `sparse_adagrad`, `sparse_rowwise_adagrad` with decoupled
+  weight decay and `max_norm`, `sparse_adam` and its options) are timed with it
+  and with the generic kernels every rule runs (the rows coalesced and gathered,
+  the rule's math as XLA ops, the rows stored in place): a fused kernel earns its
+  code only where it beats the generic kernels;
 - `sparse_ftrl` and a rule defined here, outside the package (the architecture
-  page's row-wise Adagrad), which have no fused kernel: on the CPU their math
-  runs as XLA ops and their slots are stored by the generic row-store kernel;
+  page's row-wise Adagrad), which have no kernel of their own: the generic
+  kernels, and the XLA ops for reference;
 - `sparse_adam` and `sparse_ftrl` on bfloat16 and float16 tables (the gradient
   in the table's dtype), beside the float32 table in the same run;
 - `sparse_adam` (float32 moments) and `sparse_rowwise_adagrad` on 16-bit tables
@@ -26,14 +28,12 @@ the per-round ratio. On a shared machine compare the ratios, not absolute times.
 
 Run from the repository root:
 
-  python -m benchmarks.bench_rules            # V = 1M, D = 64, B = 4096
+  python -m benchmarks.bench_rules            # V = 1M, D = 64, B = 4096, Zipf and uniform
   python -m benchmarks.bench_rules --quick    # V = 100k, fewer steps and rounds
 """
 
 import argparse
-import dataclasses
 import time
-from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -41,32 +41,11 @@ from jax.experimental import sparse
 
 import optax_sparse_adam as osa
 from benchmarks import _common as c
-from benchmarks.bench_options import _Stepper, _summary, _times
+from benchmarks._user_rule import UserHyper, UserRowwiseAdagrad
+from benchmarks.bench_options import OPTIONS, _Stepper, _summary, _times
+from optax_sparse_adam._backends import choice
 
-
-class _UserHyper(NamedTuple):
-  learning_rate: Any
-  eps: Any = 1e-8
-  weight_decay: Any = None
-
-
-@dataclasses.dataclass(frozen=True)
-class _UserRowwiseAdagrad:
-  """docs/architecture.md's rule, as a user writes it in their own file (no kernel)."""
-
-  name: str = dataclasses.field(default="bench_user_rowwise_adagrad", init=False)
-
-  def slots(self):
-    return (osa.Slot("sum", per_row=True),)
-
-  def update(self, block, hyper):
-    g = block.grad
-    total = block.slots["sum"] + jnp.mean(g * g, axis=1)
-    rate = hyper.learning_rate / (jnp.sqrt(total) + hyper.eps)
-    return -rate[:, None] * g, {"sum": total}
-
-
-# Rules with no fused kernel (timed with the kernels on, which store their rows, and off).
+# Rules with no fused kernel: the generic kernels on the CPU (and, for reference, the XLA ops).
 NO_KERNEL = [
   ("sparse_ftrl", osa.sparse_ftrl(1e-2)),
   (
@@ -75,7 +54,7 @@ NO_KERNEL = [
   ),
   (
     "user rule (architecture page)",
-    osa.sparse_rule_transformation(_UserRowwiseAdagrad(), _UserHyper(1e-2)),
+    osa.sparse_rule_transformation(UserRowwiseAdagrad(), UserHyper(1e-2)),
   ),
 ]
 # Steps on 16-bit tables, beside the float32 table (kernels on).
@@ -102,10 +81,23 @@ STOCHASTIC_TABLES = [
 ]
 
 
-class _TableStepper(_Stepper):
-  """`_Stepper` over a table (and gradient) of another dtype."""
+class _PathStepper(_Stepper):
+  """`_Stepper` on a path: "kernels" (a hand-fused kernel where the rule has one), "generic"
+  (the generic kernels for every rule) or "xla" (the XLA ops)."""
 
-  def __init__(self, opt, num_rows, grads, dtype, *, cpu_kernels=True, grad_dtype=None):
+  def __init__(self, opt, num_rows, grads, path="kernels"):
+    super().__init__(opt, num_rows, grads, cpu_kernels=path != "xla")
+    self.forced = choice.GENERIC_KERNELS if path == "generic" else None
+
+  def seconds_per_step(self, n: int) -> float:
+    with choice.choose(forced=self.forced):
+      return super().seconds_per_step(n)
+
+
+class _TableStepper(_PathStepper):
+  """`_PathStepper` over a table (and gradient) of another dtype."""
+
+  def __init__(self, opt, num_rows, grads, dtype, *, grad_dtype=None):
     cast = [
       {
         "table": sparse.BCOO(
@@ -115,13 +107,14 @@ class _TableStepper(_Stepper):
       }
       for g in grads
     ]
-    super().__init__(opt, num_rows, cast, cpu_kernels=cpu_kernels)
+    super().__init__(opt, num_rows, cast)
     dim = grads[0]["table"].shape[1]
     self.params = {"table": jnp.zeros((num_rows, dim), dtype)}
     self.state = opt.init(self.params)
 
 
-# The new rules, each with the options a recipe sets (timed with the kernel and with the XLA ops).
+# The rules with a hand-fused kernel, each with the options a recipe sets (timed with that
+# kernel and with the generic kernels).
 RULES = [
   ("sparse_sgd", osa.sparse_sgd(1e-3)),
   ("sparse_sgd lazy momentum", osa.sparse_sgd(1e-3, momentum=0.9, lazy_momentum=True)),
@@ -132,6 +125,11 @@ RULES = [
     osa.sparse_rowwise_adagrad(
       1e-2, weight_decay=1e-4, weight_decay_mode="decoupled", max_norm=1.0
     ),
+  ),
+  ("sparse_adam", osa.sparse_adam(1e-3)),
+  *(
+    (f"sparse_adam {name}", OPTIONS[name][0](1e-3, **OPTIONS[name][1]))
+    for name in ("l2", "adamw", "amsgrad", "per_row", "catch_up", "bf16_stochastic", "rowwise")
   ),
 ]
 
@@ -181,22 +179,22 @@ def time_rules(ids, values, num_rows, *, steps, rounds, use_torch=True, tables_o
     for i, v in zip(ids, values, strict=True)
   ]
   if tables_only:
-    default = _Stepper(osa.sparse_adam(1e-3), num_rows, grads)
+    default = _PathStepper(osa.sparse_adam(1e-3), num_rows, grads)
     results = [("sparse_adam (CPU kernels)", [(1.0, 1.0)])]
     return results + time_tables(grads, num_rows, default, steps=steps, rounds=rounds)
-  rows = [
-    ("sparse_adam (XLA ops)", osa.sparse_adam(1e-3), False),
-    ("sparse_adam rowwise (CPU kernels)", osa.sparse_adam(1e-3, rowwise_second_moment=True), True),
-  ]
+  rows = [("sparse_adam (XLA ops)", osa.sparse_adam(1e-3), "xla")]
   for name, opt in RULES:
-    rows += [(f"{name} (CPU kernels)", opt, True), (f"{name} (XLA ops)", opt, False)]
+    rows += [
+      (f"{name} (fused kernel)", opt, "kernels"),
+      (f"{name} (generic kernels)", opt, "generic"),
+    ]
   for name, opt in NO_KERNEL:
-    rows += [(f"{name} (row store)", opt, True), (f"{name} (XLA ops)", opt, False)]
-  default = _Stepper(osa.sparse_adam(1e-3), num_rows, grads)
+    rows += [(f"{name} (generic kernels)", opt, "kernels"), (f"{name} (XLA ops)", opt, "xla")]
+  default = _PathStepper(osa.sparse_adam(1e-3), num_rows, grads)
   results = [("sparse_adam (CPU kernels)", [(1.0, 1.0)])]
-  for name, opt, kernels in rows:
+  for name, opt, path in rows:
     # One option's tables at a time next to the default's.
-    stepper = _Stepper(opt, num_rows, grads, cpu_kernels=kernels)
+    stepper = _PathStepper(opt, num_rows, grads, path)
     results.append((name, _times(stepper, default, rounds=rounds, steps=steps)))
     del stepper
   for name, make in TABLE_DTYPES:
@@ -236,19 +234,28 @@ def main(argv=None) -> None:
   parser.add_argument(
     "--tables-only", action="store_true", help="only the 16-bit tables rounded stochastically"
   )
+  parser.add_argument("--dist", nargs="*", default=["zipf", "uniform"], help="id distributions")
+  parser.add_argument("--no-torch", action="store_true", help="skip torch's optimizers")
   args = parser.parse_args(argv)
   if args.quick:
     args.vocab, args.steps, args.rounds = 100_000, 10, 3
-  ids = c.id_batches("zipf", args.vocab, args.batch)
   values = c.grad_values(args.batch, args.dim)
-  print(f"{c.machine()}; V={args.vocab:,} D={args.dim} B={args.batch} (Zipf ids)")
   print(f"jax {jax.__version__}, CPU kernels available: {osa.cpu_kernels_available()}")
   print(f"median (range) of {args.rounds} interleaved rounds of {args.steps} steps each")
-  print_ratios(
-    time_rules(
-      ids, values, args.vocab, steps=args.steps, rounds=args.rounds, tables_only=args.tables_only
+  for dist in args.dist:
+    ids = c.id_batches(dist, args.vocab, args.batch)
+    print(f"{c.machine()}; V={args.vocab:,} D={args.dim} B={args.batch} ({dist} ids)")
+    print_ratios(
+      time_rules(
+        ids,
+        values,
+        args.vocab,
+        steps=args.steps,
+        rounds=args.rounds,
+        use_torch=not args.no_torch,
+        tables_only=args.tables_only,
+      )
     )
-  )
 
 
 if __name__ == "__main__":

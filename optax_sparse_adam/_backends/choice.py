@@ -13,7 +13,9 @@ from optax_sparse_adam._core.switches import Switch
 
 ACCELERATOR = "accelerator"
 GENERIC_XLA = "generic_xla"
-_PATHS = (ACCELERATOR, GENERIC_XLA)
+# On the CPU, the generic kernels for every rule (no hand-fused kernel); elsewhere as None.
+GENERIC_KERNELS = "generic_kernels"
+_PATHS = (ACCELERATOR, GENERIC_XLA, GENERIC_KERNELS)
 _ENV_FLAG = "OPTAX_SPARSE_ADAM_CPU_KERNELS"
 
 
@@ -24,8 +26,9 @@ class PathChoice(NamedTuple):
     cpu_kernels: use the fused CPU kernels where they apply; None follows
       `OPTAX_SPARSE_ADAM_CPU_KERNELS` (default on).
     forced: private, for tests and benchmarks: `ACCELERATOR` or `GENERIC_XLA`
-      runs that rows step on every backend, the CPU included; None picks by
-      backend.
+      runs that rows step on every backend, the CPU included; `GENERIC_KERNELS`
+      runs every rule on the CPU's generic kernels (no hand-fused kernel); None
+      picks by backend.
     batch_tables: private, for tests and benchmarks: where the accelerator step
       runs, step the sparse tables of one update through one sort
       (`table_batched`); False: each table through its own.
@@ -51,13 +54,19 @@ choose = _SWITCH.choose
 
 def forced() -> str | None:
   """The rows step forced onto every backend (`ACCELERATOR`, `GENERIC_XLA`), or None."""
-  return current().forced
+  path = current().forced
+  return None if path == GENERIC_KERNELS else path
+
+
+def fused_kernels_wanted() -> bool:
+  """Whether a rule's hand-fused CPU kernel may run (not forced onto the generic kernels)."""
+  return current().forced != GENERIC_KERNELS
 
 
 def cpu_kernels_wanted() -> bool:
   """Whether the switches ask for the CPU kernels (they may still not apply)."""
   choice = current()
-  if choice.forced is not None:
+  if forced() is not None:
     return False
   if choice.cpu_kernels is not None:
     return choice.cpu_kernels

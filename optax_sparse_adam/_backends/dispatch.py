@@ -22,21 +22,23 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from optax_sparse_adam._backends import accelerator, choice, table_batched, xla
+from optax_sparse_adam._backends import accelerator, choice, one_device, table_batched, xla
 from optax_sparse_adam._backends.cpu import kernels
 from optax_sparse_adam._backends.protocol import StepBackend
 from optax_sparse_adam._core import bcoo, coalesce
 from optax_sparse_adam._core.bcoo import RowLayout
 from optax_sparse_adam._core.rules import RowsStep, StepInputs, StepPlan
+from optax_sparse_adam._core.sharded import sharding
 
 
 def masked_step(inputs: StepInputs, plan: StepPlan) -> RowsStep:
   """One parameter's masked step on the backend it is lowered for (see `xla.masked_step`)."""
   step = _bind(inputs, plan)
-  generic = step.runs(xla.masked_step)
-  on_cpu = generic if step.on_cpu is xla.masked_step else step.runs(step.on_cpu)
   return _by_backend(
-    step.args, cpu=on_cpu, accelerator=step.runs(accelerator.masked_step), generic=generic
+    step.args,
+    cpu=step.on_cpu,
+    accelerator=step.runs(accelerator.masked_step),
+    generic=step.runs(xla.masked_step),
   )
 
 
@@ -52,9 +54,9 @@ def masked_steps(steps: Sequence[tuple[StepInputs, StepPlan]]) -> list[RowsStep]
     return [masked_step(inputs, plan) for inputs, plan in steps]
   bound = [_bind(inputs, plan) for inputs, plan in steps]
 
-  def each(backend_of: Callable[[_Bound], StepBackend]) -> Callable[..., list[RowsStep]]:
+  def each(run_of: Callable[[_Bound], Callable[..., RowsStep]]) -> Callable[..., list[RowsStep]]:
     def run(*args: Any) -> list[RowsStep]:
-      return [backend_of(b)(b.inputs(*a), b.plan) for b, a in zip(bound, args, strict=True)]
+      return [run_of(b)(*a) for b, a in zip(bound, args, strict=True)]
 
     return run
 
@@ -63,11 +65,12 @@ def masked_steps(steps: Sequence[tuple[StepInputs, StepPlan]]) -> list[RowsStep]
       [(b.inputs(*a), b.plan) for b, a in zip(bound, args, strict=True)]
     )
 
-  generic = each(lambda b: xla.masked_step)
-  on_cpu = generic
-  if any(b.on_cpu is not xla.masked_step for b in bound):
-    on_cpu = each(lambda b: b.on_cpu)
-  return _by_backend(tuple(b.args for b in bound), cpu=on_cpu, accelerator=batched, generic=generic)
+  return _by_backend(
+    tuple(b.args for b in bound),
+    cpu=each(lambda b: b.on_cpu),
+    accelerator=batched,
+    generic=each(lambda b: b.runs(xla.masked_step)),
+  )
 
 
 class _Bound(NamedTuple):
@@ -82,7 +85,7 @@ class _Bound(NamedTuple):
   args: tuple
   inputs: Callable[..., StepInputs]
   plan: StepPlan
-  on_cpu: StepBackend
+  on_cpu: Callable[..., RowsStep]  # of `args`: the CPU's path (`_on_cpu`)
 
   def runs(self, backend: StepBackend) -> Callable[..., RowsStep]:
     """`backend` as a function of `args`."""
@@ -99,21 +102,31 @@ def _bind(inputs: StepInputs, plan: StepPlan) -> _Bound:
       full[i] = array
     return inputs._replace(hyper=jax.tree.unflatten(treedef, full))
 
-  on_cpu: StepBackend = xla.masked_step
-  if kernels.step_applies(inputs, plan):  # the rule's fused kernel
-    rounds = plan.config.param_rounding == "stochastic"
-    on_cpu = _kernel_then_rounded if rounds else kernels.masked_step
-  elif all(
-    kernels.store_applies(table, nse=inputs.rows.shape[0], num_rows=plan.layout.num_rows)
-    for table in inputs.tables.slots.values()
-  ):
-    # Any rule: its math in XLA ops, its slots' rows stored in place by the generic kernel.
-    on_cpu = functools.partial(
-      xla.masked_step,
-      coalescer=coalesce.coalesce_and_gather_rows_unmarked,
-      store_rows=_kernel_store(plan.layout),
-    )
   args = (inputs._replace(hyper=None), [leaves[i] for i in traced])
+
+  def runs(backend: StepBackend) -> Callable[..., RowsStep]:
+    return lambda *args: backend(rebound(*args), plan)
+
+  def kernels_path() -> Callable[..., RowsStep] | None:
+    if kernels.step_applies(inputs, plan):  # the rule's fused kernel
+      rounds = plan.config.param_rounding == "stochastic"
+      return runs(_kernel_then_rounded if rounds else kernels.masked_step)
+    if kernels.generic_step_applies(inputs, plan):
+      # Any rule: the rows coalesced and gathered by the generic kernel, the rule's math in
+      # XLA ops, its tables' rows stored in place by the generic kernel.
+      return runs(
+        functools.partial(
+          xla.masked_step,
+          coalescer=kernels.coalesce_and_gather
+          if kernels.gathers(inputs.values)
+          else coalesce.coalesce_and_gather_rows_unmarked,
+          store_rows=_kernel_store(plan.layout),
+        )
+      )
+    return None
+
+  arrays = (inputs.rows, inputs.values, inputs.tables)
+  on_cpu = _on_cpu(kernels_path, arrays, runs(xla.masked_step))
   return _Bound(args, rebound, plan, on_cpu)
 
 
@@ -163,28 +176,36 @@ def scatter_add(
     xla.scatter_add, layout=layout, rows_unique=rows_unique, rows_sorted=rows_sorted
   )
   generic = xla_add
-  on_cpu: Callable[..., jax.Array] = generic
-  if param.dtype == jnp.bfloat16 and kernels.store_applies(
-    param, nse=rows.shape[0], num_rows=layout.num_rows
-  ):
-    # XLA's sums, rounded once, stored in place: no bfloat16 table copy.
-    on_cpu = functools.partial(xla_add, store_rows=_kernel_store(layout))
 
-  elif kernels.scatter_add_applies(param, values, layout=layout):
+  def on_cpu() -> Callable[..., jax.Array] | None:
+    if param.dtype == jnp.bfloat16 and kernels.store_applies(
+      param, nse=rows.shape[0], num_rows=layout.num_rows
+    ):
+      # XLA's sums, rounded once, stored in place: no bfloat16 table copy.
+      return functools.partial(xla_add, store_rows=_kernel_store(layout))
+    if kernels.scatter_add_applies(param, values, layout=layout):
 
-    def on_cpu(param, rows, values):
-      # The kernel takes the parameter in its own shape: a reshaped operand that
-      # it updates in place would be copied by XLA.
-      return kernels.scatter_add_rows(
-        param, rows, values, num_rows=layout.num_rows, rows_unique=rows_unique
-      )
+      def add(param, rows, values):
+        # The kernel takes the parameter in its own shape: a reshaped operand that
+        # it updates in place would be copied by XLA.
+        return kernels.scatter_add_rows(
+          param, rows, values, num_rows=layout.num_rows, rows_unique=rows_unique
+        )
+
+      return add
+    return None
 
   # One scatter-add of the parameter's own dtype, no sort, on GPUs and TPUs.
   # An update from sparse_adam repeats no row (its padding rows are dropped),
   # but its flags mirror the gradient's, so they cannot promise that to XLA.
   on_accelerator = functools.partial(xla_add, through_bits=False)
 
-  return _by_backend((param, rows, values), cpu=on_cpu, accelerator=on_accelerator, generic=generic)
+  return _by_backend(
+    (param, rows, values),
+    cpu=_on_cpu(on_cpu, (param, rows, values), generic),
+    accelerator=on_accelerator,
+    generic=generic,
+  )
 
 
 def store_rows(
@@ -214,16 +235,52 @@ def store_rows(
 
   # XLA:CPU has no 16-bit float scatter: the bits are stored there and elsewhere.
   generic = through(True)
-  on_cpu: Callable[..., jax.Array] = generic
-  if kernels.store_applies(param, nse=rows.shape[0], num_rows=layout.num_rows):
 
-    def on_cpu(param, rows, values):
+  def on_cpu() -> Callable[..., jax.Array] | None:
+    if not kernels.store_applies(param, nse=rows.shape[0], num_rows=layout.num_rows):
+      return None
+
+    def store(param, rows, values):
       # The same bits, stored in place by the generic kernel (no 16-bit table copy).
       return kernels.store_rows(
         param, rows, values, num_rows=layout.num_rows, rows_unique=rows_unique
       )
 
-  return _by_backend((param, rows, values), cpu=on_cpu, accelerator=through(False), generic=generic)
+    return store
+
+  return _by_backend(
+    (param, rows, values),
+    cpu=_on_cpu(on_cpu, (param, rows, values), generic),
+    accelerator=through(False),
+    generic=generic,
+  )
+
+
+def _on_cpu(
+  kernel: Callable[[], Callable[..., Any] | None], arrays: Any, generic: Callable[..., Any]
+) -> Callable[..., Any]:
+  """The CPU's path: `kernel()` (the kernels' path, or None where none applies), else `generic`.
+
+  The kernels run only on arrays on one device. Where that is known now, they are
+  chosen now; where the arrays' types do not say (jit in a process with several
+  CPU devices), the kernels are traced as for one device and chosen when the
+  program is lowered, if it is lowered for one device (`one_device`).
+  """
+  now = kernel()
+  if now is not None:
+    return now
+  if not sharding.possibly_on_one_cpu_device(arrays):
+    return generic
+  with sharding.lowering_per_shard():
+    later = kernel()
+  if later is None:
+    return generic
+
+  def per_device(*args: Any) -> Any:
+    with sharding.lowering_per_shard():
+      return later(*args)
+
+  return one_device.on_one_device(per_device, generic)
 
 
 _ACCELERATOR_PLATFORMS = ("cuda", "rocm", "tpu")

@@ -63,9 +63,11 @@ def masked_steps(steps: Sequence[tuple[StepInputs, StepPlan]]) -> list[RowsStep]
 def _given(rows: bcoo.CoalescedRows) -> coalesce.Coalescer:
   """A coalescer that returns rows already coalesced, and the tables' rows at them."""
 
-  def coalescer(_rows, _values, _num_rows, tables):
+  def coalescer(_rows, _values, _num_rows, tables, read_only=()):
     tables = list(tables)
-    gathered = [None if t is None else bcoo.gather_rows(t, rows.rows) for t in tables]
+    gathered = [
+      None if t is None else bcoo.gather_rows(t, rows.rows) for t in (*tables, *read_only)
+    ]
     return rows, gathered, tables
 
   return coalescer

@@ -70,25 +70,36 @@ def masked_step(
   # The slots' old rows are gathered while the gradient is coalesced; one slot
   # table may come back holding scratch values in the touched rows, which the
   # scatters below overwrite.
+  reads, sets = reads_param(rule), sets_rows(rule)
+  rounds = config.param_rounding == "stochastic"
+  needs_param = (
+    config.weight_decay != "none" or config.max_norm is not None or reads or sets or rounds
+  )
+  if needs_param:
+    assert tables.param is not None  # the optax layer checks it
+  # The parameter's and the step tables' rows are gathered with the slots' (never scratch).
   coalesced, gathered, scattered_into = coalescer(
     inputs.rows,
     inputs.values,
     layout.num_rows,
     [as_rows(tables.slots[slot.name], slot.per_row) for slot in slots],
+    (
+      bcoo.as_rows(_present(tables.param), layout) if needs_param else None,
+      tables.row_step,
+      tables.last_step,
+    ),
   )
-  # Every table given is an array, so every gathered row block and table is one.
-  old_rows = [_present(rows) for rows in gathered]
+  gathered_param, gathered_row_step, gathered_last_step = gathered[len(slots) :]
+  # Every slot table given is an array, so every gathered row block and table is one.
+  old_rows = [_present(rows) for rows in gathered[: len(slots)]]
   slot_tables = [_present(table) for table in scattered_into]
   rows = coalesced.rows
   g = coalesced.values.astype(compute_dtype)
   if config.maximize:
     g = -g
   param_rows = None
-  reads, sets = reads_param(rule), sets_rows(rule)
-  rounds = config.param_rounding == "stochastic"
-  if config.weight_decay != "none" or config.max_norm is not None or reads or sets or rounds:
-    assert tables.param is not None  # the optax layer checks it
-    param_rows = bcoo.gather_rows(bcoo.as_rows(tables.param, layout), rows).astype(compute_dtype)
+  if needs_param:
+    param_rows = _present(gathered_param).astype(compute_dtype)
     if config.weight_decay == "l2":
       # Both terms are rounded where they stand (`rounded`), as the CPU kernels (built
       # without contraction) and op-by-op steps compute them: under jit XLA would
@@ -100,11 +111,18 @@ def masked_step(
   old_param_rows = param_rows  # as gathered (catch-up may shift param_rows)
   step = inputs.step
   row_step = tables.row_step
+
+  def put(table_rows: jax.Array, values: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    """`table[rows] = values`, the table given as rows, returned in `shape`."""
+    if store_rows is not None:
+      return store_rows(table_rows.reshape(shape), rows, values)
+    return bcoo.scatter_rows(table_rows, rows, values, through_bits=through_bits).reshape(shape)
+
   if row_step is not None:
-    new_row_steps = optax.safe_increment(bcoo.gather_rows(row_step, rows))
+    new_row_steps = optax.safe_increment(_present(gathered_row_step))
     step = jnp.maximum(new_row_steps, 1)
     step = step.reshape(step.shape + (1,) * len(layout.dense_shape))
-    row_step = bcoo.scatter_rows(row_step, rows, new_row_steps, through_bits=through_bits)
+    row_step = put(row_step, new_row_steps, row_step.shape)
 
   slot_rows = {slot.name: old for slot, old in zip(slots, old_rows, strict=True)}
   last_step = tables.last_step
@@ -115,7 +133,7 @@ def masked_step(
     assert inputs.step is not None  # the optax layer gives a step with catch-up
     closed_form = catch_up_of(rule, config).rows
     assert closed_form is not None  # the optax layer keeps no last steps otherwise
-    last_rows = bcoo.gather_rows(last_step, rows)
+    last_rows = _present(gathered_last_step)
     last = last_rows.reshape(last_rows.shape + (1,) * len(layout.dense_shape))
     idle = jnp.maximum(inputs.step - 1 - last, 0)
     caught = closed_form(IdleBlock(slot_rows, idle, last, compute_dtype), inputs.hyper)
@@ -130,9 +148,7 @@ def masked_step(
     # The step, as a function of the gathered rows (each row's last step is below
     # it): the scatter then follows the gather, and XLA updates the table in place
     # instead of copying it.
-    last_step = bcoo.scatter_rows(
-      last_step, rows, jnp.maximum(last_rows, inputs.step), through_bits=through_bits
-    )
+    last_step = put(last_step, jnp.maximum(last_rows, inputs.step), last_step.shape)
 
   store = rounding.slot_store(
     config.moment_rounding,
@@ -193,16 +209,9 @@ def masked_step(
     else:
       delta = jnp.where(valid, delta, jnp.zeros((), delta.dtype)).astype(inputs.values.dtype)
 
-  def stored(slot_name: str, table: jax.Array) -> jax.Array:
-    shape = tables.slots[slot_name].shape
-    if store_rows is not None:
-      return store_rows(table.reshape(shape), rows, new_rows[slot_name])
-    return bcoo.scatter_rows(table, rows, new_rows[slot_name], through_bits=through_bits).reshape(
-      shape
-    )
-
   new_slots = {
-    slot.name: stored(slot.name, table) for slot, table in zip(slots, slot_tables, strict=True)
+    slot.name: put(table, new_rows[slot.name], tables.slots[slot.name].shape)
+    for slot, table in zip(slots, slot_tables, strict=True)
   }
   return RowsStep(rows, delta, Tables(new_slots, row_step, last_step=last_step))
 

@@ -26,8 +26,8 @@ from jax import lax
 
 from optax_sparse_adam._core.bcoo import CoalescedRows, bits_dtype, gather_rows, set_rows
 
-# The coalesced gradient, each table's old rows at its rows, and the tables (one
-# of them possibly holding scratch in the touched rows).
+# The coalesced gradient, each table's old rows at its rows (then each read-only
+# table's), and the tables (one of them possibly holding scratch in the touched rows).
 Coalesced: TypeAlias = tuple[CoalescedRows, list[jax.Array | None], list[jax.Array | None]]
 
 
@@ -40,6 +40,7 @@ class Coalescer(Protocol):
     values: jax.Array,
     num_rows: int,
     tables: Sequence[jax.Array | None],
+    read_only: Sequence[jax.Array | None] = (),
   ) -> Coalesced: ...
 
 
@@ -187,7 +188,11 @@ def coalesce_rows(rows: jax.Array, values: jax.Array, num_rows: int) -> Coalesce
 
 
 def coalesce_and_gather_rows_unmarked(
-  rows: jax.Array, values: jax.Array, num_rows: int, tables: Sequence[jax.Array | None]
+  rows: jax.Array,
+  values: jax.Array,
+  num_rows: int,
+  tables: Sequence[jax.Array | None],
+  read_only: Sequence[jax.Array | None] = (),
 ) -> Coalesced:
   """`coalesce_and_gather_rows` with no table used as scratch (`segments_by_search`).
 
@@ -195,7 +200,7 @@ def coalesce_and_gather_rows_unmarked(
   CPU's in-place row store): a scratch scatter there would be one more write of
   the table, and XLA copies a table that a scatter and a custom call both update.
   """
-  return coalesce_and_gather_rows(rows, values, num_rows, tables, mark=False)
+  return coalesce_and_gather_rows(rows, values, num_rows, tables, read_only, mark=False)
 
 
 def coalesce_and_gather_rows(
@@ -203,6 +208,7 @@ def coalesce_and_gather_rows(
   values: jax.Array,
   num_rows: int,
   tables: Sequence[jax.Array | None],
+  read_only: Sequence[jax.Array | None] = (),
   *,
   mark: bool = True,
 ) -> Coalesced:
@@ -220,10 +226,12 @@ def coalesce_and_gather_rows(
     values: `(nse, ...)` gradient values.
     num_rows: the number of rows of the tables.
     tables: `(num_rows, ...)` tables (or None) whose touched rows are wanted.
+    read_only: more such tables, never used as scratch (e.g. the parameter).
 
   Returns:
     `(coalesced, gathered, tables)`: the `CoalescedRows`; the old rows of each
-    table (None for None); the tables, one of them possibly holding scratch.
+    table, then of each read-only table (None for None); the tables, one of them
+    possibly holding scratch.
   """
   tables = list(tables)
   nse = rows.shape[0]
@@ -231,7 +239,7 @@ def coalesce_and_gather_rows(
     coalesced = CoalescedRows(rows.astype(jnp.int32), values)
     return (
       coalesced,
-      [None if t is None else gather_rows(t, coalesced.rows) for t in tables],
+      [None if t is None else gather_rows(t, coalesced.rows) for t in (*tables, *read_only)],
       tables,
     )
   sorted_rows = sort_rows(rows, num_rows)
@@ -251,6 +259,7 @@ def coalesce_and_gather_rows(
     table, old_rows = tables[scratch], gathered[scratch]
     assert table is not None and old_rows is not None  # chosen among the arrays
     segment, tables[scratch] = segments_by_marking(rows, sorted_rows, table, old_rows)
+  gathered += [None if t is None else gather_rows(t, unique_rows) for t in read_only]
   return CoalescedRows(unique_rows, segment_sum(values, segment)), gathered, tables
 
 
@@ -271,7 +280,11 @@ def coalesce_by_one_sort(rows: jax.Array, values: jax.Array, num_rows: int) -> C
 
 
 def coalesce_and_gather_by_one_sort(
-  rows: jax.Array, values: jax.Array, num_rows: int, tables: Sequence[jax.Array | None]
+  rows: jax.Array,
+  values: jax.Array,
+  num_rows: int,
+  tables: Sequence[jax.Array | None],
+  read_only: Sequence[jax.Array | None] = (),
 ) -> Coalesced:
   """`coalesce_and_gather_rows` by `coalesce_by_one_sort`: the same results, tables untouched."""
   tables = list(tables)
@@ -279,5 +292,5 @@ def coalesce_and_gather_by_one_sort(
     coalesced = CoalescedRows(rows.astype(jnp.int32), values)
   else:
     coalesced = coalesce_by_one_sort(rows, values, num_rows)
-  gathered = [None if t is None else gather_rows(t, coalesced.rows) for t in tables]
-  return coalesced, gathered, tables
+  gathered = [None if t is None else gather_rows(t, coalesced.rows) for t in (*tables, *read_only)]
+  return coalesced, gathered, list(tables)

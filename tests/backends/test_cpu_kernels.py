@@ -200,13 +200,20 @@ def test_kernels_appear_in_the_cpu_step_only_where_they_apply():
 
 
 @needs_kernels
-def test_possibly_sharded_tables_keep_the_xla_ops(monkeypatch):
+def test_possibly_sharded_tables_leave_the_choice_to_the_lowering(monkeypatch):
   """A custom call cannot be partitioned: with several CPU devices, a traced table whose
-  sharding the trace does not show keeps the XLA ops (XLA would gather it otherwise)."""
+  sharding the trace does not show is stepped by a choice made when the program is
+  lowered (`_backends.one_device`): here it is lowered for one device, so the kernels
+  run. A table sharded over several devices keeps the XLA ops (test_one_device.py)."""
   devices = jax.devices("cpu")
   monkeypatch.setattr(jax, "devices", lambda *a, **k: devices * 2)
-  text = _compiled_text(osa.sparse_adam(1e-3))
-  assert ADAM_KERNEL not in text and ADD_KERNEL not in text
+  opt = osa.sparse_adam(1e-3)
+  params = {"w": jnp.zeros((50, 8))}
+  grads = {"w": sparse.BCOO.fromdense(jnp.zeros((50, 8)).at[3].set(1.0), n_dense=1)}
+  jaxpr = str(jax.make_jaxpr(train_step(opt))(params, opt.init(params), grads))
+  assert "optax_sparse_adam_one_device_index" in jaxpr  # deferred to the lowering
+  text = _compiled_text(opt)
+  assert ADAM_KERNEL in text and ADD_KERNEL in text and "conditional" not in text
 
 
 @needs_kernels

@@ -8,9 +8,6 @@ donated steps for float32, bfloat16 and float16 tables, and no table-sized
 temporary or copy in the compiled step (`test_memory._table_copies`).
 """
 
-import dataclasses
-from typing import Any, NamedTuple
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -18,6 +15,7 @@ import pytest
 from jax.experimental import sparse
 
 import optax_sparse_adam as osa
+from benchmarks._user_rule import UserHyper, UserRowwiseAdagrad
 from optax_sparse_adam._backends.cpu import kernels
 from tests._helpers import BACKEND, train_step
 from tests.backends.test_memory import DIM, NUM_ROWS, _compile, _grad, _table_copies
@@ -27,31 +25,9 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-class _Hyper(NamedTuple):
-  learning_rate: Any
-  eps: Any = 1e-8
-  weight_decay: Any = None
-
-
-@dataclasses.dataclass(frozen=True)
-class _UserRowwiseAdagrad:
-  """docs/architecture.md's rule, written here: a per-row slot and no kernel."""
-
-  name: str = dataclasses.field(default="test_store_rowwise_adagrad", init=False)
-
-  def slots(self):
-    return (osa.Slot("sum", per_row=True),)
-
-  def update(self, block, hyper):
-    g = block.grad
-    total = block.slots["sum"] + jnp.mean(g * g, axis=1)
-    rate = hyper.learning_rate / (jnp.sqrt(total) + hyper.eps)
-    return -rate[:, None] * g, {"sum": total.astype(block.slots["sum"].dtype)}
-
-
 OPTS = {
   "ftrl": lambda: osa.sparse_ftrl(0.2, l1_regularization_strength=0.05),
-  "user_rule": lambda: osa.sparse_rule_transformation(_UserRowwiseAdagrad(), _Hyper(0.1)),
+  "user_rule": lambda: osa.sparse_rule_transformation(UserRowwiseAdagrad(), UserHyper(0.1)),
   "adam_f32_moments": lambda: osa.sparse_adam(1e-2, mu_dtype="float32", nu_dtype="float32"),
 }
 DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]

@@ -155,6 +155,56 @@ int64_t SortRows(const int32_t* rows, int64_t nse, int64_t num_rows,
   return n;
 }
 
+// The first sorted entry of each run of equal rows (each distinct row), then `n`.
+std::vector<int64_t> RunStarts(const std::vector<uint32_t>& sorted_rows, int64_t n) {
+  std::vector<int64_t> starts;
+  starts.reserve(n + 1);
+  for (int64_t i = 0; i < n; ++i) {
+    if (i == 0 || sorted_rows[i] != sorted_rows[i - 1]) starts.push_back(i);
+  }
+  starts.push_back(n);
+  return starts;
+}
+
+// Runs `visit(i, row)` for each entry `i` whose row is in [0, num_rows) (BCOO
+// padding is dropped), in parallel on XLA's pool. `rows_unique` promises that no
+// in-range row repeats: chunks of entries are then independent, and
+// `prefetch(row)` is called a few entries ahead. Otherwise each chunk owns a
+// range of rows and takes its entries in input order, so a repeated row's
+// entries are visited in input order, as XLA's scatter takes them on one thread.
+template <typename Prefetch, typename Visit>
+void ForEachEntryRow(ffi::ThreadPool& pool, const int32_t* r, int64_t nse, int64_t num_rows,
+                     int64_t row_size, bool rows_unique, Prefetch prefetch, Visit visit) {
+  const int64_t threads = pool.num_threads() + 1;
+  if (rows_unique) {
+    const int64_t num_chunks = std::max<int64_t>(1, std::min(nse, kChunksPerThread * threads));
+    auto run_chunk = [&](int64_t chunk) {
+      const int64_t begin = nse * chunk / num_chunks;
+      const int64_t end = nse * (chunk + 1) / num_chunks;
+      for (int64_t i = begin; i < end; ++i) {
+        if (i + kPrefetchRows < end) {
+          const int64_t ahead = r[i + kPrefetchRows];
+          if (ahead >= 0 && ahead < num_rows) prefetch(ahead);
+        }
+        const int64_t row = r[i];
+        if (row >= 0 && row < num_rows) visit(i, row);
+      }
+    };
+    ParallelFor(pool, num_chunks, nse * row_size, run_chunk);
+    return;
+  }
+  const int64_t num_chunks = std::max<int64_t>(1, std::min(num_rows, threads));
+  auto run_chunk = [&](int64_t chunk) {
+    const int64_t lo = num_rows * chunk / num_chunks;
+    const int64_t hi = num_rows * (chunk + 1) / num_chunks;
+    for (int64_t i = 0; i < nse; ++i) {
+      const int64_t row = r[i];
+      if (row >= lo && row < hi) visit(i, row);
+    }
+  };
+  ParallelFor(pool, num_chunks, nse * row_size, run_chunk);
+}
+
 // Moments are stored as float32 or as bfloat16 (its bits in a uint16_t); the
 // arithmetic is float32 either way.
 inline float ToFloat(float x) { return x; }
@@ -289,14 +339,8 @@ void CoalescedRowsStep(const int32_t* rows, int64_t nse, const float* values, in
                        Prefetch prefetch, Update update) {
   std::vector<uint32_t> sorted_rows, position;
   const int64_t n = SortRows(rows, nse, num_rows, sorted_rows, position);
-  // Start of each run of equal rows, and the run's row.
-  std::vector<int64_t> starts;
-  starts.reserve(n + 1);
-  for (int64_t i = 0; i < n; ++i) {
-    if (i == 0 || sorted_rows[i] != sorted_rows[i - 1]) starts.push_back(i);
-  }
-  const int64_t num_unique = static_cast<int64_t>(starts.size());
-  starts.push_back(n);
+  const std::vector<int64_t> starts = RunStarts(sorted_rows, n);
+  const int64_t num_unique = static_cast<int64_t>(starts.size()) - 1;
 
   const int64_t num_chunks = std::max<int64_t>(
       1, std::min<int64_t>(num_unique, kChunksPerThread * (pool.num_threads() + 1)));

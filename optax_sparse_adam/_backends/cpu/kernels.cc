@@ -697,39 +697,11 @@ ffi::Error ScatterAddRowsImpl(ffi::Buffer<ffi::S32> rows, ffi::Buffer<ffi::F32> 
   }
   float* p = out->typed_data();
   if (p != param.typed_data()) std::memcpy(p, param.typed_data(), param.size_bytes());
-  const int32_t* r = rows.typed_data();
   const float* val = values.typed_data();
-  const int64_t threads = pool.num_threads() + 1;
-  if (rows_unique) {
-    // Distinct rows (sparse_adam's updates): chunks of entries are independent.
-    const int64_t num_chunks = std::max<int64_t>(1, std::min(nse, kChunksPerThread * threads));
-    auto run_chunk = [&](int64_t chunk) {
-      const int64_t begin = nse * chunk / num_chunks;
-      const int64_t end = nse * (chunk + 1) / num_chunks;
-      for (int64_t i = begin; i < end; ++i) {
-        if (i + kPrefetchRows < end) {
-          const int64_t ahead = r[i + kPrefetchRows];
-          if (ahead >= 0 && ahead < num_rows) PrefetchRow(p + ahead * row_size, row_size);
-        }
-        const int64_t row = r[i];
-        if (row >= 0 && row < num_rows) AddRow(p + row * row_size, val + i * row_size, row_size);
-      }
-    };
-    ParallelFor(pool, num_chunks, nse * row_size, run_chunk);
-    return ffi::Error::Success();
-  }
-  // Repeated rows: each chunk owns a range of rows and adds its entries in
-  // input order, so a row's entries add up in the same order as on one thread.
-  const int64_t num_chunks = std::max<int64_t>(1, std::min(num_rows, threads));
-  auto run_chunk = [&](int64_t chunk) {
-    const int64_t lo = num_rows * chunk / num_chunks;
-    const int64_t hi = num_rows * (chunk + 1) / num_chunks;
-    for (int64_t i = 0; i < nse; ++i) {
-      const int64_t row = r[i];
-      if (row >= lo && row < hi) AddRow(p + row * row_size, val + i * row_size, row_size);
-    }
-  };
-  ParallelFor(pool, num_chunks, nse * row_size, run_chunk);
+  ForEachEntryRow(
+      pool, rows.typed_data(), nse, num_rows, row_size, rows_unique,
+      [&](int64_t row) { PrefetchRow(p + row * row_size, row_size); },
+      [&](int64_t i, int64_t row) { AddRow(p + row * row_size, val + i * row_size, row_size); });
   return ffi::Error::Success();
 }
 

@@ -1,23 +1,27 @@
-"""The fused CPU kernels (`kernels.cc`): each rule's kernel variant, and when to use it.
+"""The CPU kernels: the generic kernels every rule runs, the fused variants, and when to use them.
 
-XLA:CPU runs gathers and scatters element by element; these XLA FFI kernels do
-a step's coalescing, slot updates and parameter scatter-add in one pass per
-table instead. A rule with a kernel variant is listed in `_VARIANTS` by its
-name; the variant computes what `xla.masked_step` computes with that rule, bit
-for bit (catch-up of idle rows to float32 rounding: its per-row powers use the
-C library's exp). The Adam and row-wise Adam variants (their calls:
-`moment_steps`) are used where they apply: on the CPU, float32 gradient (and
-parameter, read for weight decay), float32 or bfloat16 moments (stored in
-place, rounded as the step asks), with any of the pipeline's options (L2 or
-decoupled weight decay, amsgrad, per-row bias correction; for Adam, catch-up
-of idle rows), and arrays known to be on one device (XLA cannot partition a
-custom call: it would gather a sharded table onto every device, so possibly
-sharded tables keep the XLA path). Weight decay needs the step's rounding zero
+XLA:CPU runs gathers and scatters element by element. Every rule's step runs on
+the generic kernels: `coalesce_and_gather` (`row_gather.cc`: the gradient's rows
+coalesced, every table's rows gathered at them) before the rule's math, traced
+by XLA, and `store_rows` (`row_store.cc`: rows stored in place into a donated
+table of any dtype) after it: the XLA ops' bits, by construction. A rule with a
+hand-fused variant, listed in `_VARIANTS` by its name, runs it where it applies
+(kept only where it measured faster than the generic kernels:
+`benchmarks/bench_rules.py`): the variant computes what `xla.masked_step`
+computes with that rule, bit for bit (catch-up of idle rows to float32 rounding:
+its per-row powers use the C library's exp). The Adam and row-wise Adam variants
+(their calls: `moment_steps`) take a float32 gradient (and parameter, read for
+weight decay), float32 or bfloat16 moments (stored in place, rounded as the step
+asks), with any of the pipeline's options (L2 or decoupled weight decay,
+amsgrad, per-row bias correction; for Adam, catch-up of idle rows). Every kernel
+runs only on arrays on one device (XLA cannot partition a custom call: it would
+gather a sharded table onto every device); where the arrays' types do not say,
+the choice is made when the step is lowered (`_backends.one_device`). Weight
+decay in a fused variant needs the step's rounding zero
 (`StepInputs.opaque_zero`, which `sparse_adam` always gives): with it the XLA
-path rounds the decay's terms as the kernels do. Everything else runs XLA ops;
-`lax.platform_dependent` picks per backend when the step is lowered
-(`_backends.dispatch`). Under `jax.vmap` the kernels run once per batch
-element.
+path rounds the decay's terms as the kernels do. `lax.platform_dependent` picks
+per backend when the step is lowered (`_backends.dispatch`). Under `jax.vmap`
+the kernels run once per batch element.
 
 Set `OPTAX_SPARSE_ADAM_CPU_KERNELS=0` (before the first step is traced), or use
 `use_cpu_kernels(False)`, to use the XLA path on the CPU too.
@@ -40,7 +44,8 @@ import jax.numpy as jnp
 from optax_sparse_adam._backends import choice
 from optax_sparse_adam._backends.cpu import moment_steps, rule_steps
 from optax_sparse_adam._core import rules
-from optax_sparse_adam._core.bcoo import RowLayout
+from optax_sparse_adam._core.bcoo import CoalescedRows, RowLayout
+from optax_sparse_adam._core.coalesce import Coalesced
 from optax_sparse_adam._core.row_rules.adam import AdamRule
 from optax_sparse_adam._core.row_rules.rowwise_adam import (
   RowwiseAdamRule,
@@ -50,6 +55,7 @@ from optax_sparse_adam._core.sharded import sharding
 
 _SCATTER_ADD_ROWS = "optax_sparse_adam_scatter_add_rows_f32"
 _STORE_ROWS = "optax_sparse_adam_store_rows"  # row_store.cc: any dtype, any rule
+_COALESCE_GATHER = "optax_sparse_adam_coalesce_gather"  # row_gather.cc: any tables
 # The tables `store_rows` writes: the rows' bytes are copied, whatever they hold.
 _STORED_DTYPES = tuple(jnp.dtype(d) for d in (jnp.float32, jnp.bfloat16, jnp.float16))
 
@@ -102,6 +108,9 @@ def available() -> bool:
     )
     jax.ffi.register_ffi_target(
       _STORE_ROWS, jax.ffi.pycapsule(library.OsaStoreRows), platform="cpu"
+    )
+    jax.ffi.register_ffi_target(
+      _COALESCE_GATHER, jax.ffi.pycapsule(library.OsaCoalesceGather), platform="cpu"
     )
     jax.ffi.register_ffi_target(
       moment_steps.ENTRY_STEPS, jax.ffi.pycapsule(library.OsaEntryStepsS32), platform="cpu"
@@ -157,7 +166,11 @@ class KernelVariant(NamedTuple):
 def step_applies(inputs: StepInputs, plan: StepPlan) -> bool:
   """Whether the rule's kernel variant computes this step (see `masked_step`)."""
   variant = _VARIANTS.get(plan.rule.name)
-  if variant is None or (plan.config.max_norm is not None and not variant.max_norm):
+  if (
+    variant is None
+    or not choice.fused_kernels_wanted()
+    or (plan.config.max_norm is not None and not variant.max_norm)
+  ):
     return False
   if rules.reads_param(plan.rule) or rules.sets_rows(plan.rule):  # a rule by another name
     return False
@@ -338,3 +351,69 @@ def scatter_add_rows(
     vmap_method=moment_steps.VMAP_METHOD,
   )
   return call(rows, values, table, num_rows=num_rows, rows_unique=rows_unique)
+
+
+# The tables `coalesce_and_gather` gathers and `store_rows` stores: bytes copied.
+_ROW_TABLE_DTYPES = (*_STORED_DTYPES, jnp.dtype(jnp.int32))
+
+
+def generic_step_applies(inputs: StepInputs, plan: StepPlan) -> bool:
+  """Whether any rule's step may store its tables' rows with the generic kernels.
+
+  A gradient with entries, rows of at least one value, every table (slots,
+  parameter, per-row steps) float32, bfloat16, float16 or int32 and on one CPU
+  device, no Explicit mesh axes, and `enabled()`. The rows are then also
+  coalesced and gathered by the generic kernel where the gradient is float32
+  (`gathers`).
+  """
+  tables = inputs.tables
+  given = [*tables.slots.values(), tables.param, tables.row_step, tables.last_step]
+  arrays = [x for x in given if x is not None]
+  return (
+    all(jnp.dtype(x.dtype) in _ROW_TABLE_DTYPES for x in arrays)
+    and inputs.values.shape[0] > 0
+    and plan.layout.num_rows > 0
+    and math.prod(plan.layout.dense_shape) > 0
+    and not sharding.explicit_axes()
+    and enabled()
+    and sharding.on_one_cpu_device(arrays)
+  )
+
+
+def gathers(values: jax.Array) -> bool:
+  """Whether `coalesce_and_gather` sums these gradient values (float32 or bfloat16).
+
+  A float16 gradient is coalesced by XLA: its float16 conversions use the CPU's
+  instructions, which the kernel's portable ones measured 6x slower than.
+  """
+  return jnp.dtype(values.dtype) in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+
+
+def coalesce_and_gather(
+  rows: jax.Array,
+  values: jax.Array,
+  num_rows: int,
+  tables: Sequence[jax.Array | None],
+  read_only: Sequence[jax.Array | None] = (),
+) -> Coalesced:
+  """`coalesce.coalesce_and_gather_rows` (a `Coalescer`) by one call of the generic kernel.
+
+  `row_gather.cc`: the gradient's rows coalesced (each row's entries summed in
+  input order from +0.0, each add rounded to the values' dtype) and every
+  table's rows gathered at them (zeros at padding), the same bits as the XLA
+  ops. The tables are left untouched.
+  """
+  given = [t for t in (*tables, *read_only) if t is not None]
+  call = jax.ffi.ffi_call(
+    _COALESCE_GATHER,
+    (
+      jax.ShapeDtypeStruct(rows.shape, jnp.int32),
+      jax.ShapeDtypeStruct(values.shape, values.dtype),
+      *(jax.ShapeDtypeStruct((rows.shape[0], *t.shape[1:]), t.dtype) for t in given),
+    ),
+    vmap_method=moment_steps.VMAP_METHOD,
+  )
+  unique_rows, sums, *rows_of = call(rows.astype(jnp.int32), values, *given, num_rows=num_rows)
+  it = iter(rows_of)
+  gathered = [None if t is None else next(it) for t in (*tables, *read_only)]
+  return CoalescedRows(unique_rows, sums), gathered, list(tables)

@@ -19,10 +19,8 @@
 namespace {
 
 // `out[rows[i]] = values[i]`, rows out of range dropped (BCOO padding).
-// `rows_unique` promises no in-range row repeats (then chunks of entries are
-// independent); otherwise each chunk owns a range of rows and takes its entries
-// in input order, so a repeated row keeps its last entry, as XLA's scatter does
-// on one thread.
+// `rows_unique` promises no in-range row repeats; otherwise a repeated row keeps
+// its last entry, as XLA's scatter does on one thread (`ForEachEntryRow`).
 ffi::Error StoreRowsImpl(ffi::Buffer<ffi::S32> rows, ffi::AnyBuffer values, ffi::AnyBuffer table,
                          int64_t num_rows, bool rows_unique, ffi::ThreadPool pool,
                          ffi::Result<ffi::AnyBuffer> out) {
@@ -39,34 +37,12 @@ ffi::Error StoreRowsImpl(ffi::Buffer<ffi::S32> rows, ffi::AnyBuffer values, ffi:
       num_rows == 0 ? 0 : static_cast<int64_t>(table.size_bytes()) / num_rows;
   char* t = static_cast<char*>(out->untyped_data());
   if (t != table.untyped_data()) std::memcpy(t, table.untyped_data(), table.size_bytes());
-  const int32_t* r = rows.typed_data();
   const char* val = static_cast<const char*>(values.untyped_data());
-  const int64_t threads = pool.num_threads() + 1;
-  if (rows_unique) {
-    const int64_t num_chunks = std::max<int64_t>(1, std::min(nse, kChunksPerThread * threads));
-    auto run_chunk = [&](int64_t chunk) {
-      const int64_t begin = nse * chunk / num_chunks;
-      const int64_t end = nse * (chunk + 1) / num_chunks;
-      for (int64_t i = begin; i < end; ++i) {
-        const int64_t row = r[i];
-        if (row >= 0 && row < num_rows) {
-          std::memcpy(t + row * row_bytes, val + i * row_bytes, row_bytes);
-        }
-      }
-    };
-    ParallelFor(pool, num_chunks, nse * row_size, run_chunk);
-    return ffi::Error::Success();
-  }
-  const int64_t num_chunks = std::max<int64_t>(1, std::min(num_rows, threads));
-  auto run_chunk = [&](int64_t chunk) {
-    const int64_t lo = num_rows * chunk / num_chunks;
-    const int64_t hi = num_rows * (chunk + 1) / num_chunks;
-    for (int64_t i = 0; i < nse; ++i) {
-      const int64_t row = r[i];
-      if (row >= lo && row < hi) std::memcpy(t + row * row_bytes, val + i * row_bytes, row_bytes);
-    }
-  };
-  ParallelFor(pool, num_chunks, nse * row_size, run_chunk);
+  ForEachEntryRow(
+      pool, rows.typed_data(), nse, num_rows, row_size, rows_unique, [](int64_t) {},
+      [&](int64_t i, int64_t row) {
+        std::memcpy(t + row * row_bytes, val + i * row_bytes, row_bytes);
+      });
   return ffi::Error::Success();
 }
 

@@ -91,6 +91,19 @@ def on_one_cpu_device(arrays: Any) -> bool:
   not proof (`jax.jit(..., in_shardings=...)` leaves it out), so such a value
   counts as possibly sharded.
   """
+  return _on_one_cpu_device(arrays, unknown=False)
+
+
+def possibly_on_one_cpu_device(arrays: Any) -> bool:
+  """`on_one_cpu_device`, but a traced array whose type names no mesh may be on one device.
+
+  Such a value's placement is known only when the program is lowered
+  (`_backends.one_device` decides there).
+  """
+  return _on_one_cpu_device(arrays, unknown=True)
+
+
+def _on_one_cpu_device(arrays: Any, *, unknown: bool) -> bool:
   try:
     num_cpu_devices = len(jax.devices("cpu"))
   except RuntimeError:  # no CPU backend in this process: nothing is lowered for it
@@ -102,6 +115,8 @@ def on_one_cpu_device(arrays: Any) -> bool:
       typeof = getattr(jax, "typeof", None)
       mesh = getattr(getattr(typeof(array), "sharding", None), "mesh", None) if typeof else None
       if mesh is None or mesh.empty:
+        if unknown:
+          continue
         return False
       if mesh.size != 1 and not _all_manual(mesh):
         return False
