@@ -30,7 +30,7 @@ SLOW_RUNS = frozenset(
     "explicit/all_options/one_owner/cf2",
     "explicit/stochastic/device_local_rows/cf2",
     "auto_default/stochastic/zipf/cf1",
-    *(f"auto_default/plain/{kind}/cf2" for kind in ("uniform", "one_owner")),
+    "auto_default/plain/one_owner/cf2",
     "auto_default/all_options/zipf/cf1",
     *(
       f"{mode}/optax_apply_if_finite/cross_device_duplicates/cf2"

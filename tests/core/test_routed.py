@@ -274,7 +274,7 @@ def test_routed_path_sends_one_all_to_all_of_the_buckets(checks, run):
     (op, size) for op, size, overflow in checks["runs"][run]["collectives"] if not overflow
   ]
   sent = sorted(size for op, size in routed_path if op == "all-to-all")
-  if "/bf16/" in run:  # ids apart from bfloat16 rows
+  if "/bf16/" in run or "/param_stochastic/" in run:  # ids apart from bfloat16 rows
     assert sent == [slots, slots * dim]
   else:  # each float32 row carries its id in one more word
     assert sent == [slots * (dim + 1)]
@@ -337,7 +337,7 @@ def test_tables_not_split_by_rows_under_auto_axes_keep_their_layout_unrouted(che
     assert not moved and result["warnings"] == []
 
 
-@pytest.mark.parametrize("kind", ["uniform", "one_owner"])
+@pytest.mark.parametrize("kind", ["uniform", pytest.param("one_owner", marks=pytest.mark.slow)])
 def test_auto_axes_by_default_compile_what_a_declared_auto_axis_compiles(checks, kind):
   """The partitioner's choice lowers the same routed step as `auto_axis="x"`: the same
   collectives, and the CPU kernels on each device's shard (the fused step, the adds)."""
