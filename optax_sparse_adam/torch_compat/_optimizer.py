@@ -92,7 +92,10 @@ class Optimizer(_hooks.HookRegistry, _TorchOptimizer):
   # Pickling and deepcopy, as torch: hooks (and a scheduler's patch of `step`) are not kept.
 
   def __getstate__(self) -> dict[str, Any]:
-    return {"defaults": self.defaults, "state": self.state, "param_groups": self.param_groups}
+    state = {"defaults": self.defaults, "state": self.state, "param_groups": self.param_groups}
+    if "_param_rounding" in self.__dict__:  # the optimizer's option, not a group's (torch's)
+      state["_param_rounding"] = self.__dict__["_param_rounding"]
+    return state
 
   def __setstate__(self, state: dict[str, Any]) -> None:
     self.__dict__.update(state)

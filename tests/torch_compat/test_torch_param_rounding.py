@@ -5,6 +5,9 @@ and a run rebuilt with the option from a state_dict continues the rounding's
 stream (keyed on the step count it holds).
 """
 
+import copy
+import pickle
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -91,3 +94,11 @@ def test_a_float32_parameter_is_unchanged_by_the_option():
 def test_an_unknown_rounding_is_refused(cls):
   with pytest.raises(ValueError, match=r"param_rounding='up'"):
     cls([tc.Parameter(jnp.zeros((2, 2)))], lr=0.1, param_rounding="up")
+
+
+def test_a_copy_or_pickle_keeps_the_rounding():
+  """The option is the optimizer's (not in `state_dict`): copies and pickles keep it."""
+  param = tc.Parameter(jnp.zeros((4, 2), jnp.bfloat16))
+  opt = tc.SparseAdam([param], lr=0.1, param_rounding="stochastic")
+  for clone in (copy.deepcopy(opt), pickle.loads(pickle.dumps(opt))):
+    assert clone._param_rounding == "stochastic"
