@@ -11,6 +11,7 @@ from benchmarks import bench_accelerator
 # torch 2.11 warns when a sparse tensor is built without invariant checks; the
 # benchmark builds its gradients with check_invariants=False on purpose.
 @pytest.mark.filterwarnings("ignore:Sparse invariant checks are implicitly disabled:UserWarning")
+@pytest.mark.slow  # a benchmark's smoke run; the step it times is tested in test_accelerator
 def test_small_run_prints_every_row(capsys):
   bench_accelerator.main(
     ["--small", "--vocab", "1000", "3000", "--batch", "64", "--steps", "1", "--repeats", "1"]

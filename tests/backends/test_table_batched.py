@@ -104,7 +104,7 @@ RULES = {
 
 
 # The default tier runs three (per-row state, set rows, max_norm with an empty table).
-SLOW_RULES = ("adamw_maximize_catch_up", "adam_bf16_stochastic", "sgd_momentum")
+SLOW_RULES = ("adamw_maximize_catch_up", "adam_bf16_stochastic", "sgd_momentum", "ftrl")
 
 
 @pytest.mark.parametrize(

@@ -313,7 +313,7 @@ SETTLED = 30  # steps after which b^t < 1e-9 for b = 0.5: the bias correction is
   ],
   ids=["eps0", "amsgrad", "adamw_eps0"],
 )
-@pytest.mark.parametrize("path", ["generic", "default"])
+@pytest.mark.parametrize("path", [pytest.param("generic", marks=pytest.mark.slow), "default"])
 def test_exact_where_claimed(options, path):
   """eps = 0, or amsgrad, at a constant step size: the discharge is exact."""
   pattern = [list(range(VOCAB))] * SETTLED + touch_pattern(25)
@@ -534,7 +534,7 @@ def test_with_inject_hyperparams():
   np.testing.assert_array_equal(state.inner_state.row_last_step, want_state.row_last_step)
 
 
-@pytest.mark.parametrize("path", ["generic", "accelerator"])
+@pytest.mark.parametrize("path", [pytest.param("generic", marks=pytest.mark.slow), "accelerator"])
 def test_grad_through_catch_up_steps(path):
   """d(loss after catch-up steps)/d(learning rate) is finite and matches finite differences."""
   grads = sparse_grads(touch_pattern(5), 6)

@@ -37,6 +37,7 @@ def run_example(*args):
   return np.array(report["jax"]), np.array(report["torch"]), report["table_difference"]
 
 
+@pytest.mark.slow  # the float32 curves' test (default tier) runs the same example
 def test_float64_curves_are_the_same_curve():
   jax_losses, torch_losses, table_difference = run_example("--steps", "25")
   assert len(jax_losses) == len(torch_losses) == 25
