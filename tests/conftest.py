@@ -1,7 +1,10 @@
 """Strict test setup: warnings are errors (pyproject), JAX on CPU, reproducible hypothesis."""
 
+import atexit
 import os
+import shutil
 import sys
+import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Two test workers (addopts: -n 2) share one GPU where JAX_PLATFORMS selects it.
@@ -13,6 +16,16 @@ if "xla_gpu_deterministic_ops" not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_gpu_deterministic_ops=true"
   ).strip()
+
+# One compilation cache for the session: a program that a test (or the other worker, or a
+# subprocess with forced devices) has compiled is loaded, not compiled again, by the next
+# that lowers the same program. The suite is bound by XLA compiles; a fresh directory per
+# session keeps runs independent. Set JAX_COMPILATION_CACHE_DIR to choose another.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="osa-test-compiles-")
+  atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
 
 import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
