@@ -41,6 +41,31 @@ def tiered(cases, slow) -> list:
   ]
 
 
+STEP_PATHS = ["default", "xla_ops", "accelerator"]
+
+
+def on_path(path: str):
+  """A context that runs steps on `path` (one of `STEP_PATHS`), forced on any backend."""
+  from optax_sparse_adam._backends import choice
+  from optax_sparse_adam._backends.cpu import kernels
+
+  if path == "xla_ops":
+    return kernels.use_cpu_kernels(False)
+  if path == "accelerator":
+    return choice.choose(forced=choice.ACCELERATOR)
+  return choice.choose()
+
+
+def fmix32(x):
+  """MurmurHash3's 32-bit finalizer in NumPy: the tests' own copy of `rounding`'s hash."""
+  x = np.uint32(x) if np.isscalar(x) else np.asarray(x).astype(np.uint32)
+  x ^= x >> np.uint32(16)
+  x = (x * np.uint32(0x85EBCA6B)).astype(np.uint32)
+  x ^= x >> np.uint32(13)
+  x = (x * np.uint32(0xC2B2AE35)).astype(np.uint32)
+  return x ^ (x >> np.uint32(16))
+
+
 def assert_paths_agree(a, b) -> None:
   """Two paths' results: equal in every bit on the CPU, close on other backends.
 

@@ -14,38 +14,19 @@ import pytest
 from jax.experimental import sparse
 
 import optax_sparse_adam as osa
-from optax_sparse_adam._backends import choice
-from optax_sparse_adam._backends.cpu import kernels
 from optax_sparse_adam._core import rounding
-from tests._helpers import tiered, train_step
+from tests._helpers import STEP_PATHS, fmix32, on_path, tiered, train_step
 
-PATHS = ["default", "xla_ops", "accelerator"]
-
-
-def _path(path):
-  if path == "xla_ops":
-    return kernels.use_cpu_kernels(False)
-  if path == "accelerator":
-    return choice.choose(forced=choice.ACCELERATOR)
-  return choice.choose()
-
-
-def _fmix32(x):
-  x = np.uint32(x) if np.isscalar(x) else x.astype(np.uint32)
-  x ^= x >> np.uint32(16)
-  x = (x * np.uint32(0x85EBCA6B)).astype(np.uint32)
-  x ^= x >> np.uint32(13)
-  x = (x * np.uint32(0xC2B2AE35)).astype(np.uint32)
-  return x ^ (x >> np.uint32(16))
+PATHS = STEP_PATHS
 
 
 def _numpy_hash32(step, pair, rows, row_size):
   """The documented hash `h`: 32 bits for each element of each row, in NumPy."""
   with np.errstate(over="ignore"):
-    a = _fmix32(np.uint32((step * 0x9E3779B9 + (pair + 1) * 0x27D4EB2F) & 0xFFFFFFFF))
-    b = _fmix32(a ^ (np.asarray(rows, np.uint32) * np.uint32(0x85EBCA77)))
+    a = fmix32(np.uint32((step * 0x9E3779B9 + (pair + 1) * 0x27D4EB2F) & 0xFFFFFFFF))
+    b = fmix32(a ^ (np.asarray(rows, np.uint32) * np.uint32(0x85EBCA77)))
     j = np.arange(row_size, dtype=np.uint32) * np.uint32(0xC2B2AE3D)
-    return _fmix32(b[:, None] ^ j[None, :])
+    return fmix32(b[:, None] ^ j[None, :])
 
 
 def _numpy_random16(step, slot, rows, row_size):
@@ -84,7 +65,7 @@ def test_first_step_bits_follow_the_documented_hash(path, jit):
   )
   params = {"t": jnp.zeros((num_rows, dim))}
   update = jax.jit(opt.update) if jit else opt.update
-  with _path(path):
+  with on_path(path):
     _, state = update({"t": grad}, opt.init(params), params)
   mu_bits = np.asarray(state.mu["t"]).view(np.uint16)
   exact = g * np.float32(1 - 0.9)  # m = 0 + (g - 0) * (1 - b1), in float32
@@ -113,7 +94,7 @@ def test_a_pair_shares_one_hash_nu_takes_its_low_half(path, rowwise):
 
   def first_state(**kwargs):
     opt = osa.sparse_adam(1e-2, rowwise_second_moment=rowwise, **kwargs)
-    with _path(path):
+    with on_path(path):
       return jax.jit(opt.update)({"t": grad}, opt.init(params), params)[1]
 
   exact = first_state()
@@ -179,7 +160,7 @@ def test_stored_moments_are_unbiased_through_the_optimizer(path):
   )
   params = {"t": jnp.zeros((num_rows, dim))}
   grad = _grad(np.arange(num_rows), dim, value, num_rows)
-  with _path(path):
+  with on_path(path):
     _, state = jax.jit(opt.update)({"t": grad}, opt.init(params), params)
   mu = np.asarray(state.mu["t"], np.float64)
   exact = np.float64(np.float32(value) * np.float32(1 - 0.9))
@@ -213,7 +194,7 @@ def test_nearest_is_the_default_and_a_cast():
 def _train(opt, grads, params, state=None, path="default"):
   step = jax.jit(train_step(opt))
   state = opt.init(params) if state is None else state
-  with _path(path):
+  with on_path(path):
     for g in grads:
       params, state = step(params, state, {"t": g})
   return params, state
@@ -373,7 +354,7 @@ def test_a_shard_given_its_first_row_draws_the_whole_tables_bits(path, rowwise):
 
   whole = tables(num_rows)
   upper = rules.Tables({name: table[half:] for name, table in whole.slots.items()})
-  with _path(path):
+  with on_path(path):
     expected = step(rows, whole, num_rows, None)
     shard = step(rows - half, upper, half, jnp.int32(half))
     unshifted = step(rows - half, upper, half, None)

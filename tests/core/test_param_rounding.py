@@ -20,40 +20,21 @@ import pytest
 from jax.experimental import sparse
 
 import optax_sparse_adam as osa
-from optax_sparse_adam._backends import choice
-from optax_sparse_adam._backends.cpu import kernels
 from optax_sparse_adam._core import rounding
-from tests._helpers import dense_table_temporaries, train_step
+from tests._helpers import STEP_PATHS, dense_table_temporaries, fmix32, on_path, train_step
 from tests.backends.test_accelerator import _walk
 
-PATHS = ["default", "xla_ops", "accelerator"]
+PATHS = STEP_PATHS
 NARROW = [jnp.bfloat16, jnp.float16]
-
-
-def _path(path):
-  if path == "xla_ops":
-    return kernels.use_cpu_kernels(False)
-  if path == "accelerator":
-    return choice.choose(forced=choice.ACCELERATOR)
-  return choice.choose()
-
-
-def _fmix32(x):
-  x = x.astype(np.uint32)
-  x ^= x >> np.uint32(16)
-  x = (x * np.uint32(0x85EBCA6B)).astype(np.uint32)
-  x ^= x >> np.uint32(13)
-  x = (x * np.uint32(0xC2B2AE35)).astype(np.uint32)
-  return x ^ (x >> np.uint32(16))
 
 
 def _numpy_param_bits(step, rows, row_size):
   """The parameter's documented bits: slot index -1 (salt 0), the hash's top half."""
   with np.errstate(over="ignore"):
-    a = _fmix32(np.array([(step * 0x9E3779B9) & 0xFFFFFFFF], np.uint32))
-    b = _fmix32(a ^ (np.asarray(rows, np.uint32) * np.uint32(0x85EBCA77)))
+    a = fmix32(np.array([(step * 0x9E3779B9) & 0xFFFFFFFF], np.uint32))
+    b = fmix32(a ^ (np.asarray(rows, np.uint32) * np.uint32(0x85EBCA77)))
     j = np.arange(row_size, dtype=np.uint32) * np.uint32(0xC2B2AE3D)
-    return _fmix32(b[:, None] ^ j[None, :]) >> np.uint32(16)
+    return fmix32(b[:, None] ^ j[None, :]) >> np.uint32(16)
 
 
 def _numpy_round(x, u, dtype):
@@ -167,7 +148,7 @@ def _two_steps(factory, dtype, path, param_rounding):
   opt = FACTORIES[factory](param_rounding=param_rounding)
   state = opt.init(params)
   step = jax.jit(train_step(opt))
-  with _path(path):
+  with on_path(path):
     for seed, rows in ((1, [3, 17, 5, 5, 23, 0]), (2, [5, 9, 3])):
       params, state = step(params, state, {"t": _grad(rows, dim, num_rows, seed)})
   return params["t"]
@@ -211,7 +192,7 @@ def test_first_step_rows_follow_the_documented_bits(dtype, path):
     1e-2, mu_dtype=jnp.float32, nu_dtype=jnp.float32, param_rounding="stochastic"
   )
   params = {"t": jnp.asarray(w)}
-  with _path(path):
+  with on_path(path):
     updates, _ = jax.jit(opt.update)({"t": grad}, opt.init(params), params)
     new = osa.apply_updates(params, updates)["t"]
   assert isinstance(updates["t"], osa.SetRowsUpdate)

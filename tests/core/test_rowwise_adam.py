@@ -22,9 +22,8 @@ import pytest
 from jax.experimental import sparse
 
 import optax_sparse_adam as osa
-from optax_sparse_adam._backends import choice
 from optax_sparse_adam._backends.cpu import kernels
-from tests._helpers import assert_paths_agree, cpu_only, tiered, train_step
+from tests._helpers import assert_paths_agree, cpu_only, on_path, tiered, train_step
 
 ROWS, DIM, NSE, STEPS = 30, 6, 12, 4
 
@@ -139,18 +138,10 @@ def _run(opt, param, grads, *, jit, path=None):
     step = jax.jit(step)
   params = {"table": param}
   state = opt.init(params)
-  with _path(path):
+  with on_path(path):
     for g in grads:
       params, state = step(params, state, {"table": g})
   return params["table"], state
-
-
-def _path(path):
-  if path == "xla_ops":
-    return kernels.use_cpu_kernels(False)
-  if path == "accelerator":
-    return choice.choose(forced=choice.ACCELERATOR)
-  return choice.choose()
 
 
 def _initial(shape, seed=7):
