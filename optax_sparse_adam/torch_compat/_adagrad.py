@@ -87,11 +87,10 @@ class Adagrad(RuleOptimizer):
     maximize: ascend the objective instead of descending it.
     differentiable: accepted, no effect.
     fused: must not be True at `step()` (torch raises).
-    param_rounding: "nearest" (the default, torch's: the update is added to a
-      bfloat16 or float16 `Parameter` and rounded to nearest) or "stochastic"
-      (the new rows rounded up or down, unbiased, keyed on the step count:
-      `optax_sparse_adam.sparse_adam`'s option). Not a group option: the
-      state_dict is torch's; pass it again when you rebuild the optimizer.
+    param_rounding: "nearest" (the default, torch's) or "stochastic": how the new
+      rows of a bfloat16 or float16 `Parameter` are rounded ("stochastic" keys
+      its bits on `'step'`). Not a group option: pass it again when you rebuild
+      the optimizer (docs/memory.md, 16-bit tables that learn).
 
   Example:
     >>> import jax.numpy as jnp

@@ -11,26 +11,34 @@ from optax_sparse_adam.torch_compat import _step
 from optax_sparse_adam.torch_compat._rule_optimizer import RuleOptimizer, TorchRule
 
 
-def _check_momentum(group: dict[str, Any], where: str) -> None:
-  """torch runs momentum densely on sparse gradients: refused before any change."""
+def _refuse_momentum(group: dict[str, Any], where: str, why: str) -> None:
+  """Refuses a nonzero momentum before any change, saying `why` after the group's value."""
   if _step.lr_value(group["momentum"], f"{where}['momentum']") != 0:
-    raise RuntimeError(
-      f"{where} has momentum={group['momentum']!r}: torch.optim.SGD's momentum is not lazy on "
-      "sparse gradients (its buffer moves every row it ever saw on every step), which this "
-      "adapter does not do. Use optax_sparse_adam.sparse_sgd(momentum=..., "
-      "catch_up_idle_rows=True) for torch's numbers at sparse cost, sparse_sgd(momentum=..., "
-      "lazy_momentum=True) for a row-wise momentum, or momentum=0."
-    )
+    raise RuntimeError(f"{where} has momentum={group['momentum']!r}: {why}")
+
+
+def _check_momentum(group: dict[str, Any], where: str) -> None:
+  """torch runs momentum densely on sparse gradients: refused."""
+  _refuse_momentum(
+    group,
+    where,
+    "torch.optim.SGD's momentum is not lazy on sparse gradients (its buffer moves every row "
+    "it ever saw on every step), which this adapter does not do. Use "
+    "optax_sparse_adam.sparse_sgd(momentum=..., catch_up_idle_rows=True) for torch's numbers "
+    "at sparse cost, sparse_sgd(momentum=..., lazy_momentum=True) for a row-wise momentum, "
+    "or momentum=0.",
+  )
 
 
 def _check_dense_momentum(group: dict[str, Any], where: str) -> None:
   """Momentum on dense gradients is torch's, but this adapter keeps no buffer: refused."""
-  if _step.lr_value(group["momentum"], f"{where}['momentum']") != 0:
-    raise RuntimeError(
-      f"{where} has momentum={group['momentum']!r}: this adapter keeps no momentum buffer, "
-      "for dense gradients either. Use optax_sparse_adam.sparse_sgd(momentum=...), which "
-      "steps dense gradients with torch.optim.SGD's momentum, or momentum=0."
-    )
+  _refuse_momentum(
+    group,
+    where,
+    "this adapter keeps no momentum buffer, for dense gradients either. Use "
+    "optax_sparse_adam.sparse_sgd(momentum=...), which steps dense gradients with "
+    "torch.optim.SGD's momentum, or momentum=0.",
+  )
 
 
 def _hyper(group: dict[str, Any], step: int, dtype: Any) -> SGDHyperparams:
@@ -105,11 +113,11 @@ class SGD(RuleOptimizer):
     foreach: accepted, no effect (torch's sparse path ignores it too).
     differentiable: accepted, no effect.
     fused: must not be True at `step()` (torch raises).
-    param_rounding: "nearest" (the default, torch's: the update is added to a
-      bfloat16 or float16 `Parameter` and rounded to nearest) or "stochastic"
-      (the new rows rounded up or down, unbiased, keyed on the step count:
-      `optax_sparse_adam.sparse_adam`'s option). Not a group option: the
-      state_dict is torch's; pass it again when you rebuild the optimizer.
+    param_rounding: "nearest" (the default, torch's) or "stochastic": how the new
+      rows of a bfloat16 or float16 `Parameter` are rounded. SGD keeps no step:
+      "stochastic" keys its bits on a `param_rounding_step` kept per parameter.
+      The optimizer's option, not a group's: pass it again when you rebuild the
+      optimizer (docs/memory.md, 16-bit tables that learn).
 
   Example:
     >>> import jax.numpy as jnp

@@ -241,11 +241,10 @@ class SparseAdam(Optimizer):
     betas: decay rates of the first and second moments.
     eps: added to :math:`\sqrt{v}` in the denominator.
     maximize: ascend the objective instead of descending it.
-    param_rounding: "nearest" (the default, torch's: the update is added to a
-      bfloat16 or float16 `Parameter` and rounded to nearest) or "stochastic"
-      (the new rows rounded up or down, unbiased, keyed on the step count:
-      `optax_sparse_adam.sparse_adam`'s option). Not a group option: the
-      state_dict is torch's; pass it again when you rebuild the optimizer.
+    param_rounding: "nearest" (the default, torch's) or "stochastic": how the new
+      rows of a bfloat16 or float16 `Parameter` are rounded, as
+      `optax_sparse_adam.sparse_adam`'s option (docs/memory.md, 16-bit tables that
+      learn). Not a group option: pass it again when you rebuild the optimizer.
 
   Example:
     >>> import jax.numpy as jnp
