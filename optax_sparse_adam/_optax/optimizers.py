@@ -138,15 +138,9 @@ def sparse_sgd(
       charged to a row's idle steps, exact where the rate is constant over them).
       Without momentum (a Python 0) it changes nothing: an idle row does not move
       under dense SGD either (lazy is dense).
-    track_changed_rows: keep each row's last written step (one int32 per row,
-      `row_last_step`), for `changed_rows`, `rows_delta` and `reset_rows`
-      (docs/online.md).
-    param_rounding: how the parameter's new rows are rounded to a bfloat16 or
-      float16 table: "nearest" (the default: the apply adds the update, as
-      torch and a cast do) or "stochastic" (unbiased, with bits hashed from the
-      step, row and element: the update then holds the rounded rows, a
-      `SetRowsUpdate` that `apply_updates` stores; needs `params` in `update`).
-      Changes nothing on a float32 table. See the Memory page of the docs.
+    track_changed_rows: keep each row's last written step (`row_last_step`), for
+      `changed_rows`, `rows_delta` and `reset_rows` (docs/online.md).
+    param_rounding: "nearest" or "stochastic" rounding of a 16-bit table's rows (docs/memory.md).
 
   Returns:
     An `optax.GradientTransformationExtraArgs` whose state is a `SparseRuleState`
@@ -248,15 +242,9 @@ def sparse_adagrad(
     catch_up_idle_rows: accepted, and changes nothing: under dense Adagrad an idle
       row's gradient is zero, so neither its accumulator nor the row moves (lazy is
       dense).
-    track_changed_rows: keep each row's last written step (one int32 per row,
-      `row_last_step`), for `changed_rows`, `rows_delta` and `reset_rows`
-      (docs/online.md).
-    param_rounding: how the parameter's new rows are rounded to a bfloat16 or
-      float16 table: "nearest" (the default: the apply adds the update, as
-      torch and a cast do) or "stochastic" (unbiased, with bits hashed from the
-      step, row and element: the update then holds the rounded rows, a
-      `SetRowsUpdate` that `apply_updates` stores; needs `params` in `update`).
-      Changes nothing on a float32 table. See the Memory page of the docs.
+    track_changed_rows: keep each row's last written step (`row_last_step`), for
+      `changed_rows`, `rows_delta` and `reset_rows` (docs/online.md).
+    param_rounding: "nearest" or "stochastic" rounding of a 16-bit table's rows (docs/memory.md).
 
   Returns:
     An `optax.GradientTransformationExtraArgs` whose state is a `SparseRuleState`
@@ -341,15 +329,9 @@ def sparse_rowwise_adagrad(
       row neither moves nor adds to its accumulator under the dense optimizer);
       refused with weight decay, which moves idle rows (no closed form here). Not
       with `max_norm`.
-    track_changed_rows: keep each row's last written step (one int32 per row,
-      `row_last_step`), for `changed_rows`, `rows_delta` and `reset_rows`
-      (docs/online.md).
-    param_rounding: how the parameter's new rows are rounded to a bfloat16 or
-      float16 table: "nearest" (the default: the apply adds the update, as
-      torch and a cast do) or "stochastic" (unbiased, with bits hashed from the
-      step, row and element: the update then holds the rounded rows, a
-      `SetRowsUpdate` that `apply_updates` stores; needs `params` in `update`).
-      Changes nothing on a float32 table. See the Memory page of the docs.
+    track_changed_rows: keep each row's last written step (`row_last_step`), for
+      `changed_rows`, `rows_delta` and `reset_rows` (docs/online.md).
+    param_rounding: "nearest" or "stochastic" rounding of a 16-bit table's rows (docs/memory.md).
 
   Returns:
     An `optax.GradientTransformationExtraArgs` whose state is a `SparseRuleState`
