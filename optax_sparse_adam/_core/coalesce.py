@@ -1,24 +1,27 @@
-"""Coalescing: a gradient's entries summed into one slot per distinct row, two ways.
+"""Coalescing: a gradient's entries summed into one slot per distinct row, in three ways.
 
-Every backend coalesces here; which way is the backend's choice:
+The XLA ops of every backend coalesce here, by `coalesce_and_gather_rows`; which `way` is the
+backend's choice:
 
-- `coalesce_and_gather_rows` (the generic XLA path): sorts the ids alone (a
+- "mark" and "search" (the generic XLA path): sorts the ids alone (a
   sort with no payload is several times faster on XLA:CPU), then finds each
-  entry's slot by a binary search, or, under jit, by writing slot marks into a
-  donated table that the step overwrites anyway (`segments_by_marking`).
-- `coalesce_and_gather_by_one_sort` (GPUs and TPUs): one stable sort of
+  entry's slot by a binary search (`coalesce_and_gather_rows_unmarked`), or,
+  under jit, by writing slot marks into a donated table that the step
+  overwrites anyway (`segments_by_marking`).
+- "one_sort", `coalesce_and_gather_by_one_sort` (GPUs and TPUs): one stable sort of
   (row id, entry position), then a sorted segment sum: no search loop (a host
   round trip per iteration on a GPU) and no write into a whole table.
 
-Both return the same `bcoo.CoalescedRows` bit for bit: each row's entries are
+All return the same `bcoo.CoalescedRows` bit for bit: each row's entries are
 summed in input order from +0.0.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
-from typing import NamedTuple, Protocol, TypeAlias
+from typing import Literal, NamedTuple, Protocol, TypeAlias
 
 import jax
 import jax.numpy as jnp
@@ -29,6 +32,8 @@ from optax_sparse_adam._core.bcoo import CoalescedRows, bits_dtype, gather_rows,
 # The coalesced gradient, each table's old rows at its rows (then each read-only
 # table's), and the tables (one of them possibly holding scratch in the touched rows).
 Coalesced: TypeAlias = tuple[CoalescedRows, list[jax.Array | None], list[jax.Array | None]]
+# How `coalesce_and_gather_rows` finds each entry's slot among the distinct rows.
+Way: TypeAlias = Literal["mark", "search", "one_sort"]
 
 
 class Coalescer(Protocol):
@@ -187,20 +192,15 @@ def coalesce_rows(rows: jax.Array, values: jax.Array, num_rows: int) -> Coalesce
   return coalesced
 
 
-def coalesce_and_gather_rows_unmarked(
-  rows: jax.Array,
-  values: jax.Array,
-  num_rows: int,
+def _gathered_at(
+  coalesced: CoalescedRows,
   tables: Sequence[jax.Array | None],
-  read_only: Sequence[jax.Array | None] = (),
+  read_only: Sequence[jax.Array | None],
 ) -> Coalesced:
-  """`coalesce_and_gather_rows` with no table used as scratch (`segments_by_search`).
-
-  For a step whose tables are stored by something other than XLA's scatter (the
-  CPU's in-place row store): a scratch scatter there would be one more write of
-  the table, and XLA copies a table that a scatter and a custom call both update.
-  """
-  return coalesce_and_gather_rows(rows, values, num_rows, tables, read_only, mark=False)
+  """A `Coalescer`'s result where the tables serve as no scratch: each table's rows (then each
+  read-only table's) gathered at the coalesced rows, the tables as given."""
+  gathered = [None if t is None else gather_rows(t, coalesced.rows) for t in (*tables, *read_only)]
+  return coalesced, gathered, list(tables)
 
 
 def coalesce_and_gather_rows(
@@ -210,14 +210,14 @@ def coalesce_and_gather_rows(
   tables: Sequence[jax.Array | None],
   read_only: Sequence[jax.Array | None] = (),
   *,
-  mark: bool = True,
+  way: Way = "mark",
 ) -> Coalesced:
   """`coalesce_rows`, plus the rows of `tables` at the distinct rows, the fast way.
 
   The result equals `coalesce_rows(rows, values, num_rows)` bit for bit, and
-  the gathered rows equal `gather_rows(table, coalesced.rows)`. Under a trace
-  (jit), when one of the tables can hold slot numbers (`can_mark`), it serves as
-  scratch for
+  the gathered rows equal `gather_rows(table, coalesced.rows)`, whichever `way`.
+  With "mark", under a trace (jit), when one of the tables can hold slot numbers
+  (`can_mark`), it serves as scratch for
   `segments_by_marking`: the caller must then scatter whole rows into every
   touched row of the returned tables, as an Adam step does with its moments.
 
@@ -227,21 +227,22 @@ def coalesce_and_gather_rows(
     num_rows: the number of rows of the tables.
     tables: `(num_rows, ...)` tables (or None) whose touched rows are wanted.
     read_only: more such tables, never used as scratch (e.g. the parameter).
+    way: how each entry finds its row's slot: "mark" (marks written into a
+      table, as above, else as "search"), "search" (`segments_by_search`, no
+      table used as scratch) or "one_sort" (`coalesce_by_one_sort`: no search
+      loop, no table written).
 
   Returns:
     `(coalesced, gathered, tables)`: the `CoalescedRows`; the old rows of each
     table, then of each read-only table (None for None); the tables, one of them
     possibly holding scratch.
   """
-  tables = list(tables)
   nse = rows.shape[0]
   if nse == 0:
-    coalesced = CoalescedRows(rows.astype(jnp.int32), values)
-    return (
-      coalesced,
-      [None if t is None else gather_rows(t, coalesced.rows) for t in (*tables, *read_only)],
-      tables,
-    )
+    return _gathered_at(CoalescedRows(rows.astype(jnp.int32), values), tables, read_only)
+  if way == "one_sort":
+    return _gathered_at(coalesce_by_one_sort(rows, values, num_rows), tables, read_only)
+  tables = list(tables)
   sorted_rows = sort_rows(rows, num_rows)
   unique_rows = sorted_rows.unique_rows
   gathered = [None if t is None else gather_rows(t, unique_rows) for t in tables]
@@ -251,7 +252,7 @@ def coalesce_and_gather_rows(
     (k for k, t in enumerate(tables) if isinstance(t, jax.core.Tracer) and can_mark(t, nse)),
     None,
   )
-  if not mark:
+  if way != "mark":
     scratch = None
   if scratch is None:
     segment = segments_by_search(rows, sorted_rows, num_rows)
@@ -279,18 +280,15 @@ def coalesce_by_one_sort(rows: jax.Array, values: jax.Array, num_rows: int) -> C
   return CoalescedRows(numbered.unique_rows, summed)
 
 
-def coalesce_and_gather_by_one_sort(
-  rows: jax.Array,
-  values: jax.Array,
-  num_rows: int,
-  tables: Sequence[jax.Array | None],
-  read_only: Sequence[jax.Array | None] = (),
-) -> Coalesced:
-  """`coalesce_and_gather_rows` by `coalesce_by_one_sort`: the same results, tables untouched."""
-  tables = list(tables)
-  if rows.shape[0] == 0:
-    coalesced = CoalescedRows(rows.astype(jnp.int32), values)
-  else:
-    coalesced = coalesce_by_one_sort(rows, values, num_rows)
-  gathered = [None if t is None else gather_rows(t, coalesced.rows) for t in (*tables, *read_only)]
-  return coalesced, gathered, list(tables)
+# The other ways, each a `Coalescer`.
+coalesce_and_gather_by_one_sort: Coalescer = functools.partial(
+  coalesce_and_gather_rows, way="one_sort"
+)
+"""`coalesce_and_gather_rows` by `coalesce_by_one_sort`: the same results, tables untouched."""
+# For a step whose tables are stored by something other than XLA's scatter (the CPU's
+# in-place row store): a scratch scatter there would be one more write of the table, and
+# XLA copies a table that a scatter and a custom call both update.
+coalesce_and_gather_rows_unmarked: Coalescer = functools.partial(
+  coalesce_and_gather_rows, way="search"
+)
+"""`coalesce_and_gather_rows` with no table used as scratch (`segments_by_search`)."""
