@@ -192,7 +192,7 @@ def coalesce_rows(rows: jax.Array, values: jax.Array, num_rows: int) -> Coalesce
   return coalesced
 
 
-def _gathered_at(
+def gathered_at(
   coalesced: CoalescedRows,
   tables: Sequence[jax.Array | None],
   read_only: Sequence[jax.Array | None],
@@ -239,9 +239,9 @@ def coalesce_and_gather_rows(
   """
   nse = rows.shape[0]
   if nse == 0:
-    return _gathered_at(CoalescedRows(rows.astype(jnp.int32), values), tables, read_only)
+    return gathered_at(CoalescedRows(rows.astype(jnp.int32), values), tables, read_only)
   if way == "one_sort":
-    return _gathered_at(coalesce_by_one_sort(rows, values, num_rows), tables, read_only)
+    return gathered_at(coalesce_by_one_sort(rows, values, num_rows), tables, read_only)
   tables = list(tables)
   sorted_rows = sort_rows(rows, num_rows)
   unique_rows = sorted_rows.unique_rows
