@@ -15,8 +15,8 @@ metric over training (`--plot` draws it: mean and min..max over seeds):
 Settings: full (the default), rowwise (`rowwise_second_moment=True`), bf16
 (`mu_dtype=nu_dtype=bfloat16`, rounded to nearest), bf16_sr (the same,
 `moment_rounding="stochastic"`), rowwise_bf16_sr (both), and for matrix
-factorisation the tables themselves in bfloat16 (float32 moments): table_bf16
-(rounded to nearest) and table_bf16_sr (`param_rounding="stochastic"`). A seed
+factorisation the tables themselves in bfloat16 (the moments too, the factory's
+default): table_bf16 (rounded to nearest) and table_bf16_sr (`param_rounding="stochastic"`). A seed
 sets the data, the initial weights and the batches.
 
   python -m benchmarks.lean_state_quality             # 3 seeds, about 3 minutes

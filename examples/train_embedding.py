@@ -5,6 +5,7 @@ of each table is a BCOO (the looked-up ids and the cotangents of the looked-up
 rows), so a step reads and writes only the rows in the batch, never the tables.
 
     python examples/train_embedding.py
+    python examples/train_embedding.py --table-dtype bfloat16 --param-rounding stochastic
     python examples/train_embedding.py --help
 
 Gallery:
@@ -62,6 +63,18 @@ def main():
   parser.add_argument("--batch", type=int, default=4096)
   parser.add_argument("--steps", type=int, default=1000)
   parser.add_argument("--lr", type=float, default=0.01)
+  parser.add_argument(
+    "--table-dtype",
+    choices=["float32", "bfloat16", "float16"],
+    default="float32",
+    help="the tables' storage; their rows are read and trained in float32",
+  )
+  parser.add_argument(
+    "--param-rounding",
+    choices=["nearest", "stochastic"],
+    default="nearest",
+    help="how a 16-bit table stores its new rows (docs/memory.md)",
+  )
   args = parser.parse_args()
 
   rng = np.random.default_rng(0)
@@ -72,10 +85,17 @@ def main():
 
   key_u, key_i = jax.random.split(jax.random.key(0))
   params = {
-    "users": 0.1 * jax.random.normal(key_u, (args.users, args.dim)),
-    "items": 0.1 * jax.random.normal(key_i, (args.items, args.dim)),
+    "users": (0.1 * jax.random.normal(key_u, (args.users, args.dim))).astype(args.table_dtype),
+    "items": (0.1 * jax.random.normal(key_i, (args.items, args.dim))).astype(args.table_dtype),
   }
-  opt = osa.sparse_adam(learning_rate=args.lr)
+  # The moments in float32 whatever the tables' storage: a float16 second moment
+  # underflows (docs/memory.md, "Choosing a precision").
+  opt = osa.sparse_adam(
+    learning_rate=args.lr,
+    mu_dtype=jnp.float32,
+    nu_dtype=jnp.float32,
+    param_rounding=args.param_rounding,
+  )
   state = opt.init(params)
 
   def loss_of_rows(user_rows, item_rows, ratings):
@@ -85,7 +105,9 @@ def main():
   # Donating params and state lets XLA scatter the touched rows in place; without
   # donation every step would copy both tables and both moments.
   def train_step(params, state, user_ids, item_ids, ratings):
-    user_rows, item_rows = params["users"][user_ids], params["items"][item_ids]
+    # Rows read in float32, so the gradients (and the moments) are float32 too.
+    user_rows = params["users"][user_ids].astype(jnp.float32)
+    item_rows = params["items"][item_ids].astype(jnp.float32)
     loss, (g_users, g_items) = jax.value_and_grad(loss_of_rows, argnums=(0, 1))(
       user_rows, item_rows, ratings
     )
@@ -101,10 +123,11 @@ def main():
   @jax.jit
   def rmse(params, user_ids, item_ids, ratings):
     rows = params["users"][user_ids], params["items"][item_ids]
-    return jnp.sqrt(loss_of_rows(*rows, ratings))
+    return jnp.sqrt(loss_of_rows(*(r.astype(jnp.float32) for r in rows), ratings))
 
   print(
-    f"tables: users {args.users:,} x {args.dim}, items {args.items:,} x {args.dim}; "
+    f"tables: users {args.users:,} x {args.dim}, items {args.items:,} x {args.dim} "
+    f"({args.table_dtype}, param_rounding={args.param_rounding!r}); "
     f"{len(train[0]):,} training ratings; batch {args.batch}"
   )
   baseline = float(np.sqrt(np.mean((test[2] - train[2].mean()) ** 2)))
@@ -125,7 +148,7 @@ def main():
     print(f"  step {step:5d}  {loss:.4f}")
   test_rmse = float(rmse(params, *test))
   print(
-    f"\nheld-out RMSE {test_rmse:.3f} (predicting the mean: {baseline:.3f}); "
+    f"\nheld-out RMSE {test_rmse:.4f} (predicting the mean: {baseline:.3f}); "
     f"{elapsed / args.steps * 1e3:.2f} ms per step including compilation, "
     f"per-table steps taken: {int(state.step['users'])}"
   )

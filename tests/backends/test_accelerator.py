@@ -87,7 +87,15 @@ CASES += [("embedding", option, False) for option in OPTIONS]  # eager: op by op
 
 @pytest.mark.parametrize(
   ("layout", "option", "use_jit"),
-  tiered(CASES, lambda case: not case[2] and case[1] != "default"),
+  # Every option on the embedding, the options that index by layout (the default, per-row
+  # bias correction) on every layout; the other crossings and the eager options: slow tier.
+  tiered(
+    CASES,
+    lambda case: (
+      (case[1] != "default" and not case[2])
+      or (case[0] != "embedding" and case[1] not in ("default", "amsgrad_l2_per_row"))
+    ),
+  ),
   ids=[f"{layout}-{option}-{jit}" for layout, option, jit in CASES],
 )
 def test_accelerator_step_equals_the_default_and_generic_paths(layout, option, use_jit):

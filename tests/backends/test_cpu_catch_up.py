@@ -106,8 +106,9 @@ CASES = [(name, True) for name in OPTIONS] + [(name, False) for name in EAGER]
   tiered(
     CASES,
     lambda case: (
-      case[0] not in ("adam", "adamw", "bf16_stochastic", "eps0")
-      or (not case[1] and case[0] != "adamw")
+      # Eager cells (op by op: a minute each here) run in the slow tier; the default
+      # tier's eager steps are test_sparse_adam's and test_cpu_kernels'.
+      case[0] not in ("adam", "adamw", "bf16_stochastic", "eps0") or not case[1]
     ),
   ),
   ids=[f"{name}-{'jit' if jit else 'eager'}" for name, jit in CASES],

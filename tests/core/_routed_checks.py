@@ -31,7 +31,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import optax_sparse_adam as osa  # noqa: E402
 from optax_sparse_adam._core.sharded import lookup, overflow, routed  # noqa: E402
-from tests.core._routed_tiers import SLOW_RUNS  # noqa: E402
+from tests.core._routed_tiers import SLOW_CHECKS, SLOW_RUNS  # noqa: E402
 
 NUM_DEVICES = 8
 NUM_ROWS, DIM, BATCH, STEPS = 4096, 8, 256, 3
@@ -514,7 +514,7 @@ def tracing_routed():
     lookup._routed_lookup = routed_lookup
 
 
-def front_ends():
+def front_ends(every_run=True):
   """Linen tables, the NNX and Linen bags, and the torch adapter's SparseAdam on a row-sharded
   table, against one device: the largest difference of the trained table and what was
   routed. The Flax ones under `Auto` axes with `auto_axis`, the adapter under `Explicit`."""
@@ -614,6 +614,8 @@ def front_ends():
       "linen_bag": lambda sharded: linen_run(sharded, bag=True),
     }
     for name, run in runs.items():
+      if f"front_ends/{name}" in SLOW_CHECKS and not every_run:
+        continue
       initial, reference = run(False)
       with osa.sharded_routing(auto_axis="x"), tracing_routed() as traced:
         _, table = run(True)
@@ -791,8 +793,9 @@ def main():
   results["lookups"] = lookups()
   results["overflow_warning"] = overflow_warning()
   results["flax_nnx"] = flax_nnx()
-  results["flax_nnx_auto_default"] = flax_nnx(auto_axis=None)
-  results["front_ends"] = front_ends()
+  if every_run or "flax_nnx_auto_default" not in SLOW_CHECKS:
+    results["flax_nnx_auto_default"] = flax_nnx(auto_axis=None)
+  results["front_ends"] = front_ends(every_run)
   results["apply_foreign"] = apply_foreign_update(explicit)
   with jax.set_mesh(explicit), osa.sharded_routing(row_placement="block"):
     caught_up = caught_up_table(explicit, cyclic=False)  # catch_up_rows eagerly, Explicit axes
@@ -801,7 +804,8 @@ def main():
   # table traced where no placement is said is refused (checked at the end).
   started = time.perf_counter()
   results["cyclic"] = cyclic_runs(references)
-  results["flax_nnx_cyclic"] = flax_nnx(placement="cyclic")
+  if every_run or "flax_nnx_cyclic" not in SLOW_CHECKS:
+    results["flax_nnx_cyclic"] = flax_nnx(placement="cyclic")
   results["cyclic"]["unsaid"] = unsaid_placement(references, explicit)
   results["cyclic"]["seconds"] = time.perf_counter() - started  # the suite's time budget
   json.dump(results, sys.stdout)

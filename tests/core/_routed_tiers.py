@@ -43,3 +43,9 @@ SLOW_RUNS = frozenset(
     "auto_default/rowwise_column_table",
   }
 )
+# The Flax front ends of the routed step beside the NNX table (`flax_nnx`, default tier) and
+# the torch adapter: the Linen table, the bags, NNX with the partitioner's own axes, NNX on a
+# cyclic table. Each traces the same routed lookup, step and apply the default runs check.
+SLOW_CHECKS = frozenset(
+  {"front_ends/linen_table", "front_ends/nnx_bag", "flax_nnx_auto_default", "flax_nnx_cyclic"}
+)

@@ -17,7 +17,7 @@ from optax_sparse_adam._backends.cpu import kernels
 from optax_sparse_adam._core.sharded import overflow, placement, routing
 from optax_sparse_adam._core.sharded.overflow import WARN_AFTER, WARN_SHARE
 from tests.core._forced_devices import run_checks
-from tests.core._routed_tiers import SLOW_RUNS
+from tests.core._routed_tiers import SLOW_CHECKS, SLOW_RUNS
 
 # Float32: a row's entries on several devices are summed per device first, then
 # the devices' sums in device order, where one device adds them one by one.
@@ -46,6 +46,14 @@ def checks(request):
 def tiered(runs):
   """`runs` as parameters, those of the slow tier marked slow."""
   return [pytest.param(run, marks=pytest.mark.slow) if run in SLOW_RUNS else run for run in runs]
+
+
+def tiered_checks(names, prefix=""):
+  """`names` as parameters, those whose check only the slow tier runs (`SLOW_CHECKS`) marked."""
+  return [
+    pytest.param(name, marks=pytest.mark.slow) if prefix + name in SLOW_CHECKS else name
+    for name in names
+  ]
 
 
 ROUTED_RUNS = [
@@ -449,7 +457,7 @@ def test_sharded_lookup_refuses_ids_that_are_not_1d_integers():
     osa.sharded_lookup(table, jnp.zeros((2,), jnp.float32))
 
 
-@pytest.mark.parametrize("run", ["flax_nnx", "flax_nnx_auto_default"])
+@pytest.mark.parametrize("run", tiered_checks(["flax_nnx", "flax_nnx_auto_default"]))
 def test_a_flax_nnx_table_row_sharded_is_looked_up_and_stepped_routed_as_on_one_device(checks, run):
   """SparseEmbed's lookup (2 ids per example, some padding), sparse_value_and_grad and
   SparseOptimizer: every collective of the whole compiled train step outside the
@@ -470,7 +478,7 @@ def test_a_flax_nnx_table_row_sharded_is_looked_up_and_stepped_routed_as_on_one_
 FRONT_ENDS = ["nnx_bag", "linen_table", "linen_bag", "torch_sparse_adam"]
 
 
-@pytest.mark.parametrize("front_end", FRONT_ENDS)
+@pytest.mark.parametrize("front_end", tiered_checks(FRONT_ENDS, prefix="front_ends/"))
 def test_front_ends_on_a_row_sharded_table_route_and_match_one_device(checks, front_end):
   """NNX `SparseEmbedBag` (sum), Linen `LinenSparseEmbed` and `LinenSparseEmbedBag` (mean)
   with `SparseTrainState` (bags of 3 ids, some padding; `Auto` axes with `auto_axis`), and
@@ -633,6 +641,7 @@ def test_a_cyclic_table_saved_in_logical_order_reshards_from_8_to_4_devices(chec
   assert checks["cyclic"]["resharded_spec"] == "P('x', None)"
 
 
+@pytest.mark.slow  # SLOW_CHECKS
 def test_a_flax_nnx_cyclic_table_trains_as_one_device(checks):
   """`SparseEmbed` (2 ids per example, padding), `sparse_value_and_grad`, `SparseOptimizer`
   with the table converted to cyclic order: routed lookup, step and apply, one device's

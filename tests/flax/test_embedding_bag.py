@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tests._helpers import dense_table_temporaries
+from tests._helpers import dense_table_temporaries, tiered
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("flax")
@@ -105,10 +105,21 @@ def call_args(batch):
 FORMS = ["offsets", "last_offset", "2d"]
 
 
-@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
-@pytest.mark.parametrize("padding_idx", [None, PADDING])
-@pytest.mark.parametrize("form", FORMS)
-@pytest.mark.parametrize("mode", ["sum", "mean", "max"])
+FORWARD_CASES = [
+  (mode, form, padding_idx, jit)
+  for mode in ("sum", "mean", "max")
+  for form in FORMS
+  for padding_idx in (None, PADDING)
+  for jit in (False, True)
+]
+
+
+# Eager cells op by op: one per mode in the default tier, the rest in the slow tier.
+@pytest.mark.parametrize(
+  ("mode", "form", "padding_idx", "jit"),
+  tiered(FORWARD_CASES, lambda case: not case[3] and (case[1], case[2]) != ("offsets", None)),
+  ids=[f"{m}-{f}-{p}-{'jit' if j else 'eager'}" for m, f, p, j in FORWARD_CASES],
+)
 def test_forward_and_gradient_equal_torch(mode, form, padding_idx, jit):
   model = osa.SparseEmbedBag(
     NUM_ROWS,
@@ -262,9 +273,20 @@ def linen_train(mode, form, options, batches, jit):
   return initial, outs, tables
 
 
-@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
-@pytest.mark.parametrize("front_end", ["nnx", "linen"])
-@pytest.mark.parametrize("case", list(TRAIN_CASES))
+TRAINING_CASES = [
+  (case, front_end, jit)
+  for case in TRAIN_CASES
+  for front_end in ("nnx", "linen")
+  for jit in (False, True)
+]
+
+
+# Eager cells: the first case per front end in the default tier, the rest in the slow tier.
+@pytest.mark.parametrize(
+  ("case", "front_end", "jit"),
+  tiered(TRAINING_CASES, lambda c: not c[2] and c[0] != next(iter(TRAIN_CASES))),
+  ids=[f"{c}-{f}-{'jit' if j else 'eager'}" for c, f, j in TRAINING_CASES],
+)
 def test_training_matches_torch_embedding_bag_and_sparse_adam(case, front_end, jit):
   mode, form, options, weights = TRAIN_CASES[case]
   batches = [

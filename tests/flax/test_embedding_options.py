@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tests._helpers import dense_table_temporaries
+from tests._helpers import dense_table_temporaries, tiered
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("flax")
@@ -150,9 +150,20 @@ def linen_train(options, data, jit):
   return initial, tables, outputs, grads, state.opt_state
 
 
-@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
-@pytest.mark.parametrize("front_end", ["nnx", "linen"])
-@pytest.mark.parametrize("name", list(OPTIONS))
+TRAINING_CASES = [
+  (name, front_end, jit)
+  for name in OPTIONS
+  for front_end in ("nnx", "linen")
+  for jit in (False, True)
+]
+
+
+# Eager cells: the first option per front end in the default tier, the rest in the slow tier.
+@pytest.mark.parametrize(
+  ("name", "front_end", "jit"),
+  tiered(TRAINING_CASES, lambda c: not c[2] and c[0] != next(iter(OPTIONS))),
+  ids=[f"{n}-{f}-{'jit' if j else 'eager'}" for n, f, j in TRAINING_CASES],
+)
 def test_training_matches_torch_embedding_and_sparse_adam(name, front_end, jit):
   options, data = OPTIONS[name], batches()
   train = nnx_train if front_end == "nnx" else linen_train
