@@ -13,6 +13,7 @@ from jax.experimental import sparse
 
 import optax_sparse_adam as osa
 from optax_sparse_adam._backends import choice
+from tests._helpers import tiered
 
 ROWS, DIM = 8, 4
 B1, B2, EPS = 0.9, 0.999, 1e-3  # a large eps makes the update depend on the gradient's size
@@ -49,8 +50,15 @@ PATHS = {
 }
 
 
-@pytest.mark.parametrize("use_jit", [False, True], ids=["eager", "jit"])
-@pytest.mark.parametrize("path", sorted(PATHS))
+GRAD_CASES = [(use_jit, path) for path in sorted(PATHS) for use_jit in (False, True)]
+
+
+# Eagerly on one path in the default tier (op by op, and grad of it: slow), the rest: slow tier.
+@pytest.mark.parametrize(
+  ("use_jit", "path"),
+  tiered(GRAD_CASES, lambda case: not case[0] and case[1] != "kernels"),
+  ids=[f"{path}-{'jit' if j else 'eager'}" for j, path in GRAD_CASES],
+)
 def test_grad_through_two_steps_equals_a_dense_reference(use_jit, path):
   params = jnp.linspace(-1.0, 1.0, ROWS * DIM, dtype=jnp.float32).reshape(ROWS, DIM)
   data = [jnp.full((3, DIM), 0.5, jnp.float32), jnp.full((3, DIM), -2.0, jnp.float32)]

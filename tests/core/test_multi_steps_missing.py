@@ -30,7 +30,7 @@ STEPS = [
 ]
 
 
-@pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.parametrize("jit", [pytest.param(False, marks=pytest.mark.slow), True])  # eager: slow
 def test_none_gradients_add_nothing_and_keep_torch_step_counts(jit):
   rng = np.random.default_rng(0)
   params = {name: jnp.asarray(rng.normal(size=(V, D)), jnp.float32) for name in ("a", "b")}
