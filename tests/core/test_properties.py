@@ -13,6 +13,7 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax.experimental import sparse
@@ -127,9 +128,7 @@ def _coalesced(case, data, indices) -> np.ndarray:
   return -grad if case["maximize"] else grad
 
 
-@settings(max_examples=800)
-@given(_cases())
-def test_steps_match_the_numpy_reference(case):
+def _steps_match_the_numpy_reference(case):
   """Every step: untouched entries keep their bits; touched moments match the reference
   within float32 rounding of their terms; params follow `p - lr_t * m / (sqrt(v) + eps)`.
 
@@ -176,9 +175,7 @@ def _expand(mask, case):
   return mask.reshape(mask.shape + (1,) * len(case["dense_shape"]))
 
 
-@settings(max_examples=800)
-@given(_cases(max_steps=1))
-def test_update_is_sorted_unique_and_apply_updates_equals_densified_add(case):
+def _update_is_sorted_unique_and_apply_updates_equals_densified_add(case):
   rng = np.random.default_rng(case["seed"])
   params = rng.normal(size=case["shape"]).astype(np.float32)
   data, indices = _gradient(case, rng)
@@ -194,9 +191,7 @@ def test_update_is_sorted_unique_and_apply_updates_equals_densified_add(case):
   np.testing.assert_array_equal(new_params, dense)
 
 
-@settings(max_examples=800)
-@given(_cases(max_steps=1))
-def test_entry_order_does_not_matter_without_duplicates(case):
+def _entry_order_does_not_matter_without_duplicates(case):
   """With distinct rows the result is bit-identical under any permutation of the entries."""
   rng = np.random.default_rng(case["seed"])
   params = rng.normal(size=case["shape"]).astype(np.float32)
@@ -215,3 +210,30 @@ def test_entry_order_does_not_matter_without_duplicates(case):
   ]
   for a, b in zip(jax.tree.leaves(results[0]), jax.tree.leaves(results[1]), strict=True):
     np.testing.assert_array_equal(a, b)
+
+
+# Examples per property: a quick pass in the default tier, the soak in the slow tier (CI
+# runs both; each example compiles its own shapes).
+QUICK_EXAMPLES, SOAK_EXAMPLES = 150, 800
+
+
+def _quick_and_soak(strategy, check):
+  """`check` as two hypothesis tests: QUICK_EXAMPLES examples, and SOAK_EXAMPLES marked slow."""
+  quick = settings(max_examples=QUICK_EXAMPLES)(given(strategy)(check))
+  soak = pytest.mark.slow(settings(max_examples=SOAK_EXAMPLES)(given(strategy)(check)))
+  return quick, soak
+
+
+test_steps_match_the_numpy_reference, test_steps_match_the_numpy_reference_soak = _quick_and_soak(
+  _cases(), _steps_match_the_numpy_reference
+)
+(
+  test_update_is_sorted_unique_and_apply_updates_equals_densified_add,
+  test_update_is_sorted_unique_and_apply_updates_equals_densified_add_soak,
+) = _quick_and_soak(
+  _cases(max_steps=1), _update_is_sorted_unique_and_apply_updates_equals_densified_add
+)
+(
+  test_entry_order_does_not_matter_without_duplicates,
+  test_entry_order_does_not_matter_without_duplicates_soak,
+) = _quick_and_soak(_cases(max_steps=1), _entry_order_does_not_matter_without_duplicates)
