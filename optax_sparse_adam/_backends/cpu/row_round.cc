@@ -1,0 +1,257 @@
+// Generic kernels for 16-bit tables (bfloat16, float16): a row's new value
+// `round(table[row] + delta)`, computed in float32 and rounded once to the
+// table's dtype, to nearest (ties to even) or stochastically
+// (`rounding.stochastic_round` with the parameter's bits, `PARAM_SLOT`), reading
+// and writing 2 bytes a value where the XLA ops gather, convert and store:
+//
+// - `OsaAddRoundedRows` (`kernels.add_rounded_rows`): the rows a step sets,
+//   `round(table[rows] + delta)`, zeros at padding (`xla.rounded_param_rows`);
+// - `OsaAddRowsInPlace` (`kernels.add_rows_in_place`): the apply
+//   `table[rows] += values` in place, each value first cast to the table's dtype
+//   and each distinct row's entries added in float32 in input order, rounded
+//   once (`xla.scatter_add`'s bfloat16 path) or at every add (XLA's float16
+//   scatter-add).
+//
+// No rule's math: the same bits as the XLA ops by construction
+// (tests/backends/test_row_round.py).
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "ffi_common.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace {
+
+// float16 bits -> float32, exact (subnormals, inf, NaN with its payload).
+inline float F16ToFloat(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  const uint32_t shifted = static_cast<uint32_t>(h & 0x7FFFu) << 13;
+  const uint32_t exponent = shifted & 0x0F800000u;
+  uint32_t word = shifted + ((127u - 15u) << 23);
+  if (exponent == 0x0F800000u) word += (128u - 16u) << 23;  // inf, NaN
+  float x = WithBits(word);
+  // Zero and subnormals: renormalised by float32's own subtraction (exact).
+  if (exponent == 0) x = WithBits(word + (1u << 23)) - WithBits(113u << 23);
+  return WithBits(Bits(x) | sign);
+}
+
+// float32 -> float16 bits, to nearest, ties to even, as XLA and F16C convert:
+// beyond float16's range inf, NaN quieted with its payload's top bits.
+inline uint16_t F16Nearest(float x) {
+  uint32_t f = Bits(x);
+  const uint32_t sign = (f >> 16) & 0x8000u;
+  f &= 0x7FFFFFFFu;
+  uint32_t h;
+  if (f > 0x7F800000u) {
+    h = 0x7E00u | ((f & 0x7FFFFFu) >> 13);
+  } else if (f >= 0x47800000u) {  // 2^16 and above: inf
+    h = 0x7C00u;
+  } else if (f < 0x38800000u) {  // below 2^-14: float32's addition rounds at 2^-24
+    h = Bits(WithBits(f) + 0.5f) - Bits(0.5f);
+  } else {  // normal: 13 bits dropped, to nearest even
+    h = (f + ((15u - 127u) << 23) + 0xFFFu + ((f >> 13) & 1u)) >> 13;
+  }
+  return static_cast<uint16_t>(h | sign);
+}
+
+// A 16-bit dtype's conversions: kF16 float16, else bfloat16.
+template <bool kF16>
+inline float Widen(uint16_t bits) {
+  if constexpr (kF16) return F16ToFloat(bits);
+  return ToFloat(bits);
+}
+template <bool kF16>
+inline uint16_t Nearest(float x) {
+  if constexpr (kF16) return F16Nearest(x);
+  return Bf16Bits<false>(x, 0);
+}
+
+// `rounding.stochastic_round(x, u, dtype)`: up with probability the dropped
+// fraction of an ulp (read against the 16 random bits `u`), a finite value
+// beyond the dtype's largest saturated to it, NaN and inf to nearest.
+template <bool kF16>
+inline uint16_t Stochastic(float x, uint32_t u) {
+  if (!std::isfinite(x)) return Nearest<kF16>(x);
+  const uint16_t sign = static_cast<uint16_t>((Bits(x) >> 16) & 0x8000u);
+  if constexpr (!kF16) {
+    const uint32_t up = (Bits(x) + u) >> 16;
+    return (up & 0x7FFFu) == 0x7F80u ? static_cast<uint16_t>(sign | 0x7F7Fu)
+                                     : static_cast<uint16_t>(up);
+  }
+  const float magnitude = std::fabs(x);
+  const float normal = WithBits((Bits(magnitude) + (u >> 3)) & 0xFFFFE000u);
+  const float scaled = magnitude * 16777216.0f;  // 2^24
+  const float whole = std::floor(scaled);
+  const uint32_t fraction = static_cast<uint32_t>((scaled - whole) * 65536.0f);
+  const float carry = fraction + u >= 65536u ? 1.0f : 0.0f;
+  const float subnormal = (whole + carry) * 5.9604644775390625e-8f;  // 2^-24
+  float rounded = magnitude < 6.103515625e-5f ? subnormal : normal;  // 2^-14
+  rounded = std::min(rounded, 65504.0f);
+  return static_cast<uint16_t>(F16Nearest(rounded) | sign);
+}
+
+// `out = round(old + delta)` for one row; `row_key` keys the stochastic bits.
+template <bool kF16, bool kStochastic>
+OSA_MULTIVERSIONED_TEMPLATE void AddRoundRow(uint16_t* __restrict__ out,
+                                             const uint16_t* __restrict__ old,
+                                             const float* __restrict__ delta, int64_t row_size,
+                                             uint32_t row_key) {
+  uint32_t j_mixed = 0;
+  for (int64_t j = 0; j < row_size; ++j, j_mixed += kElementMultiplier) {
+    const float x = Widen<kF16>(old[j]) + delta[j];
+    out[j] = kStochastic ? Stochastic<kF16>(x, StochasticBits(row_key, j_mixed)) : Nearest<kF16>(x);
+  }
+}
+
+ffi::Error CheckTable(const ffi::AnyBuffer& table, int64_t num_rows, int64_t* row_size) {
+  const ffi::DataType type = table.element_type();
+  if (type != ffi::DataType::BF16 && type != ffi::DataType::F16) {
+    return ffi::Error::InvalidArgument("table must be bfloat16 or float16");
+  }
+  *row_size = RowSize(table.element_count(), num_rows);
+  if (*row_size <= 0) return ffi::Error::InvalidArgument("table must hold num_rows rows");
+  return ffi::Error::Success();
+}
+
+template <bool kF16, bool kStochastic>
+void AddRoundedRows(ffi::ThreadPool& pool, const int32_t* rows, int64_t nse, const float* delta,
+                    const uint16_t* table, int64_t num_rows, int64_t row_size, uint32_t key,
+                    uint32_t row_offset, uint16_t* out) {
+  for (int64_t i = 0; i < nse; ++i) {  // padding (out of range): zeros
+    if (rows[i] < 0 || rows[i] >= num_rows) std::memset(out + i * row_size, 0, 2 * row_size);
+  }
+  ForEachEntryRow(
+      pool, rows, nse, num_rows, row_size, /*rows_unique=*/true,
+      [&](int64_t row) { PrefetchRow(table + row * row_size, row_size); },
+      [&](int64_t i, int64_t row) {
+        const uint32_t row_key = RowKey(key, static_cast<uint32_t>(row) + row_offset);
+        AddRoundRow<kF16, kStochastic>(out + i * row_size, table + row * row_size,
+                                       delta + i * row_size, row_size, row_key);
+      });
+}
+
+// rows s32 (nse,) distinct in range, delta f32 (nse, row_size), table bf16/f16,
+// keys u32 (2,): the parameter's step key and the table's first global row.
+ffi::Error AddRoundedRowsImpl(ffi::Buffer<ffi::S32> rows, ffi::Buffer<ffi::F32> delta,
+                              ffi::AnyBuffer table, ffi::Buffer<ffi::U32> keys, int64_t num_rows,
+                              bool stochastic, ffi::ThreadPool pool,
+                              ffi::Result<ffi::AnyBuffer> out) {
+  int64_t row_size = 0;
+  if (ffi::Error error = CheckTable(table, num_rows, &row_size); error.failure()) return error;
+  const int64_t nse = static_cast<int64_t>(rows.element_count());
+  if (static_cast<int64_t>(delta.element_count()) != nse * row_size ||
+      static_cast<int64_t>(out->element_count()) != nse * row_size ||
+      out->element_type() != table.element_type() || keys.element_count() != 2) {
+    return ffi::Error::InvalidArgument("delta and out must hold nse rows; keys (2,)");
+  }
+  const bool f16 = table.element_type() == ffi::DataType::F16;
+  auto* o = static_cast<uint16_t*>(out->untyped_data());
+  const auto* t = static_cast<const uint16_t*>(table.untyped_data());
+  const uint32_t key = keys.typed_data()[0], offset = keys.typed_data()[1];
+  auto run = [&](auto f16_tag, auto stochastic_tag) {
+    AddRoundedRows<decltype(f16_tag)::value, decltype(stochastic_tag)::value>(
+        pool, rows.typed_data(), nse, delta.typed_data(), t, num_rows, row_size, key, offset, o);
+  };
+  using T = std::true_type;
+  using F = std::false_type;
+  if (f16) {
+    stochastic ? run(T{}, T{}) : run(T{}, F{});
+  } else {
+    stochastic ? run(F{}, T{}) : run(F{}, F{});
+  }
+  return ffi::Error::Success();
+}
+
+// One entry's value as the table's dtype (cast to nearest), widened to float32.
+template <bool kF16>
+inline float EntryValue(const void* values, bool wide, int64_t k) {
+  if (wide) return Widen<kF16>(Nearest<kF16>(static_cast<const float*>(values)[k]));
+  return Widen<kF16>(static_cast<const uint16_t*>(values)[k]);
+}
+
+template <bool kF16>
+void AddRowsInPlace(ffi::ThreadPool& pool, const int32_t* rows, int64_t nse, const void* values,
+                    bool wide, uint16_t* table, int64_t num_rows, int64_t row_size,
+                    bool rows_unique, bool round_each_add) {
+  auto prefetch = [&](int64_t row) { PrefetchRow(table + row * row_size, row_size); };
+  if (rows_unique) {
+    ForEachEntryRow(pool, rows, nse, num_rows, row_size, true, prefetch,
+                    [&](int64_t i, int64_t row) {
+                      uint16_t* p = table + row * row_size;
+                      for (int64_t j = 0; j < row_size; ++j) {
+                        p[j] = Nearest<kF16>(Widen<kF16>(p[j]) +
+                                             EntryValue<kF16>(values, wide, i * row_size + j));
+                      }
+                    });
+    return;
+  }
+  // Repeated rows: each distinct row's entries in input order (`ForEachCoalescedRow`).
+  std::vector<int32_t> distinct(nse);
+  ForEachCoalescedRow(
+      rows, nse, num_rows, row_size, pool, distinct.data(), prefetch,
+      [&](int64_t, int64_t row, const uint32_t* position, int64_t begin, int64_t end) {
+        uint16_t* p = table + row * row_size;
+        for (int64_t j = 0; j < row_size; ++j) {
+          float acc = Widen<kF16>(p[j]);
+          for (int64_t e = begin; e < end; ++e) {
+            acc += EntryValue<kF16>(values, wide, static_cast<int64_t>(position[e]) * row_size + j);
+            if (round_each_add) acc = Widen<kF16>(Nearest<kF16>(acc));
+          }
+          p[j] = Nearest<kF16>(acc);
+        }
+      });
+}
+
+// rows s32 (nse,), values (nse, row_size) f32 or the table's dtype, table bf16/f16
+// (aliased to the output): `table[rows] += values`, out-of-range rows dropped.
+ffi::Error AddRowsInPlaceImpl(ffi::Buffer<ffi::S32> rows, ffi::AnyBuffer values,
+                              ffi::AnyBuffer table, int64_t num_rows, bool rows_unique,
+                              bool round_each_add, ffi::ThreadPool pool,
+                              ffi::Result<ffi::AnyBuffer> out) {
+  int64_t row_size = 0;
+  if (ffi::Error error = CheckTable(table, num_rows, &row_size); error.failure()) return error;
+  const int64_t nse = static_cast<int64_t>(rows.element_count());
+  const bool wide = values.element_type() == ffi::DataType::F32;
+  if ((!wide && values.element_type() != table.element_type()) ||
+      static_cast<int64_t>(values.element_count()) != nse * row_size) {
+    return ffi::Error::InvalidArgument("values must be nse rows, float32 or the table's dtype");
+  }
+  CopyIfNotAliased(table, out);
+  auto* t = static_cast<uint16_t*>(out->untyped_data());
+  const void* v = values.untyped_data();
+  if (table.element_type() == ffi::DataType::F16) {
+    AddRowsInPlace<true>(pool, rows.typed_data(), nse, v, wide, t, num_rows, row_size,
+                         rows_unique, round_each_add);
+  } else {
+    AddRowsInPlace<false>(pool, rows.typed_data(), nse, v, wide, t, num_rows, row_size,
+                          rows_unique, round_each_add);
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(OsaAddRoundedRows, AddRoundedRowsImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::U32>>()
+                                  .Attr<int64_t>("num_rows")
+                                  .Attr<bool>("stochastic")
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Ret<ffi::AnyBuffer>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(OsaAddRowsInPlace, AddRowsInPlaceImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Attr<int64_t>("num_rows")
+                                  .Attr<bool>("rows_unique")
+                                  .Attr<bool>("round_each_add")
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Ret<ffi::AnyBuffer>());
