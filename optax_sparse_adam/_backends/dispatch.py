@@ -110,7 +110,7 @@ def _bind(inputs: StepInputs, plan: StepPlan) -> _Bound:
   def kernels_path() -> Callable[..., RowsStep] | None:
     if kernels.step_applies(inputs, plan):  # the rule's fused kernel
       rounds = plan.config.param_rounding == "stochastic"
-      return runs(_kernel_then_rounded if rounds else kernels.masked_step)
+      return runs(_kernel_then_rounded if rounds else kernels.in_values_dtype)
     if kernels.generic_step_applies(inputs, plan):
       # Any rule: the rows coalesced and gathered by the generic kernel, the rule's math in
       # XLA ops, its tables' rows stored in place by the generic kernel.

@@ -143,3 +143,54 @@ def test_fused_steps_on_16_bit_tables_use_the_kernels_in_xla_bits(dtype, param_r
   assert _table_copies(hlo) == []
   kernel = "add_rounded_rows" if param_rounding == "stochastic" else "add_rows_in_place"
   assert f"optax_sparse_adam_{kernel}" in hlo
+
+
+BF16_GRAD_OPTS = {
+  "adam": lambda: osa.sparse_adam(1e-2),
+  "adam_amsgrad_l2_maximize": lambda: osa.sparse_adam(
+    1e-2, amsgrad=True, weight_decay=0.01, maximize=True
+  ),
+  "rowwise_adam_bf16_stochastic": lambda: osa.sparse_adam(
+    1e-2, rowwise_second_moment=True, mu_dtype="bfloat16", moment_rounding="stochastic"
+  ),
+  "sgd_momentum": lambda: osa.sparse_sgd(0.1, momentum=0.9, lazy_momentum=True),
+  "rowwise_adagrad_max_norm": lambda: osa.sparse_rowwise_adagrad(0.1, max_norm=1.0),
+}
+
+
+@pytest.mark.parametrize("table_dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("name", sorted(BF16_GRAD_OPTS))
+def test_a_bfloat16_gradient_takes_the_fused_kernel_in_xla_bits(name, table_dtype):
+  """The fused kernels sum a bf16 gradient's rows rounding every add, as XLA does: three
+  jitted, donated steps (repeated and padding rows, -0.0) equal the XLA ops' bits, and
+  the step runs the rule's fused kernel, not the generic coalescing (but for a kernel that
+  reads a 16-bit parameter)."""
+  opt = BF16_GRAD_OPTS[name]()
+  table0 = np.asarray(np.random.default_rng(0).standard_normal((ROWS, WIDTH)), np.float32)
+  rng = np.random.default_rng(5)
+  grads = []
+  for _ in range(3):
+    ids = rng.integers(0, ROWS, 10).astype(np.int32)
+    ids[:4] = ids[4]  # repeated rows: their bf16 sum is rounded at every add
+    ids[-1] = -1  # padding
+    vals = rng.standard_normal((10, WIDTH)).astype(np.float32) * 30
+    vals[0] = -0.0
+    vals = jnp.asarray(vals, jnp.bfloat16)
+    grads.append({"t": sparse.BCOO((vals, jnp.asarray(ids)[:, None]), shape=(ROWS, WIDTH))})
+  runs = {}
+  for on in (True, False):
+    params = {"t": jnp.asarray(table0, table_dtype)}
+    state = opt.init(params)
+    step = jax.jit(train_step(opt), donate_argnums=(0, 1))
+    with kernels.use_cpu_kernels(on):
+      if on:
+        hlo = step.lower(params, state, grads[0]).compile().as_text()
+        # The kernels read a float32 parameter only (weight decay, max_norm).
+        reads_param = name in ("adam_amsgrad_l2_maximize", "rowwise_adagrad_max_norm")
+        fused = table_dtype == jnp.float32 or not reads_param
+        assert ("optax_sparse_adam_coalesce_gather" not in hlo) == fused
+      for grad in grads:
+        params, state = step(params, state, grad)
+    runs[on] = (params, state)
+  for ours, theirs in zip(jax.tree.leaves(runs[True]), jax.tree.leaves(runs[False]), strict=True):
+    np.testing.assert_array_equal(_bits(ours), _bits(theirs))

@@ -439,12 +439,25 @@ float PairwiseSum(float* scratch, int64_t row_size) {
 }
 
 // The FFI binding every row step shares (`CoalescedRowsStep`'s): its first
-// inputs, the gradient's rows (int32) and values (float32) (the scatter-add
-// takes its update's so too); then, after the step's own inputs, the
+// inputs, the gradient's rows (int32) and values (float32 or bfloat16; the
+// scatter-add takes its update's so too, float32 only); then, after the step's own inputs, the
 // attributes `RowStepAttrs`; then, after the step's own attributes, the pool
 // and the first outputs `RowStepOutputs`.
 inline auto RowStepBinding() {
-  return ffi::Ffi::Bind().Arg<ffi::Buffer<ffi::S32>>().Arg<ffi::Buffer<ffi::F32>>();
+  return ffi::Ffi::Bind().Arg<ffi::Buffer<ffi::S32>>().Arg<ffi::AnyBuffer>();
+}
+
+// Returns `run(values)` with the gradient's values typed: float32, or bfloat16
+// (its bits; `SumEntries` rounds their sums at every add, as XLA).
+template <typename Run>
+ffi::Error WithValues(const ffi::AnyBuffer& values, Run run) {
+  if (values.element_type() == ffi::DataType::F32) {
+    return run(static_cast<const float*>(values.untyped_data()));
+  }
+  if (values.element_type() == ffi::DataType::BF16) {
+    return run(static_cast<const uint16_t*>(values.untyped_data()));
+  }
+  return ffi::Error::InvalidArgument("values must be float32 or bfloat16");
 }
 
 // The table's number of rows, whether the step maximizes, whether bfloat16

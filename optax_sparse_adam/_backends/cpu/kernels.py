@@ -143,7 +143,8 @@ def _applies(
 ) -> bool:
   """Whether a kernel may run a step on `arrays` (all float32) and `moments` at trace time.
 
-  `moments` may be float32 or bfloat16 (the step kernels store either).
+  `moments` may be float32 or bfloat16 (the step kernels store either, and sum a
+  gradient of either).
 
   Also needs at least one entry and one row of at least one value, no mesh with
   Explicit axes and arrays known to be on one device (a custom call cannot be
@@ -187,8 +188,18 @@ def step_applies(inputs: StepInputs, plan: StepPlan) -> bool:
 
 
 def masked_step(inputs: StepInputs, plan: StepPlan) -> RowsStep:
-  """`xla.masked_step` by the rule's fused kernel, for a step where `step_applies`."""
+  """`xla.masked_step` by the rule's fused kernel, for a step where `step_applies`.
+
+  The delta is float32 (the compute dtype); `xla.masked_step` gives it in the
+  gradient's dtype where the rows are not rounded (`in_values_dtype`).
+  """
   return _VARIANTS[plan.rule.name].masked_step(inputs, plan)
+
+
+def in_values_dtype(inputs: StepInputs, plan: StepPlan) -> RowsStep:
+  """`masked_step`, its delta cast to the gradient's dtype as `xla.masked_step` casts it."""
+  result = masked_step(inputs, plan)
+  return result._replace(delta=result.delta.astype(inputs.values.dtype))
 
 
 def scatter_add_applies(param: jax.Array, values: jax.Array, *, layout: RowLayout) -> bool:
@@ -234,7 +245,7 @@ def use_cpu_kernels(enable: bool) -> Iterator[None]:
 
 
 def _moment_step_applies(inputs: StepInputs, plan: StepPlan) -> bool:
-  """Float32 gradient (and parameter, read for weight decay), float32 or bf16 slots, int32
+  """Float32 or bfloat16 gradient, float32 parameter, read for weight decay), float32 or bf16 slots, int32
   step tables, float32 arithmetic: any weight decay, amsgrad, per-row steps or catch-up."""
   tables, hyper, config = inputs.tables, inputs.hyper, plan.config
   weight_decay = config.weight_decay != "none"
@@ -253,16 +264,17 @@ def _moment_step_applies(inputs: StepInputs, plan: StepPlan) -> bool:
     return False
   steps = tuple(x for x in (tables.row_step, tables.last_step) if x is not None)
   param = (tables.param,) if weight_decay else ()
+  # A bfloat16 gradient's rows are summed in it, each add rounded, as XLA sums them.
   return (
     jnp.dtype(config.compute_dtype) == jnp.dtype(jnp.float32)
     and all(jnp.dtype(x.dtype) == jnp.dtype(jnp.int32) for x in steps)
     and sharding.on_one_cpu_device(steps)
     and _applies(
-      (inputs.values, *param),
+      param,
       nse=inputs.values.shape[0],
       num_rows=plan.layout.num_rows,
       row_size=math.prod(plan.layout.dense_shape),
-      moments=tuple(slots.values()),
+      moments=(inputs.values, *slots.values()),
     )
   )
 
