@@ -245,8 +245,9 @@ def use_cpu_kernels(enable: bool) -> Iterator[None]:
 
 
 def _moment_step_applies(inputs: StepInputs, plan: StepPlan) -> bool:
-  """Float32 or bfloat16 gradient, float32 parameter, read for weight decay), float32 or bf16 slots, int32
-  step tables, float32 arithmetic: any weight decay, amsgrad, per-row steps or catch-up."""
+  """Float32 or bfloat16 gradient, float32 parameter (read for weight decay), float32 or
+  bf16 slots, int32 step tables, float32 arithmetic: any weight decay, amsgrad, per-row
+  steps or catch-up."""
   tables, hyper, config = inputs.tables, inputs.hyper, plan.config
   weight_decay = config.weight_decay != "none"
   # Weight decay's terms are rounded as the kernels round them only with the rounding zero.
