@@ -351,15 +351,15 @@ inline void SumEntriesBlock(float* __restrict__ g, const T* __restrict__ values,
 }
 
 // `g` = the sum of the rows `values[position[e]]` for e in [begin, end), each
-// add rounded to T, in blocks of 16 values (then 1) kept in registers.
+// add rounded to T, in blocks of 16 values (then 1) kept in registers (blocks
+// of 32 or 64 measured slower: spilled).
 template <typename T>
 OSA_MULTIVERSIONED_TEMPLATE void SumEntries(float* __restrict__ g, const T* __restrict__ values,
                                             const uint32_t* __restrict__ position, int64_t begin,
                                             int64_t end, int64_t row_size) {
-  constexpr int64_t kBlock = 16;
   int64_t j = 0;
-  for (; j + kBlock <= row_size; j += kBlock) {
-    SumEntriesBlock<kBlock>(g + j, values + j, position, begin, end, row_size);
+  for (; j + 16 <= row_size; j += 16) {
+    SumEntriesBlock<16>(g + j, values + j, position, begin, end, row_size);
   }
   for (; j < row_size; ++j) SumEntriesBlock<1>(g + j, values + j, position, begin, end, row_size);
 }
@@ -370,12 +370,23 @@ OSA_MULTIVERSIONED void ToBf16Row(uint16_t* __restrict__ out, const float* __res
   for (int64_t j = 0; j < row_size; ++j) out[j] = Bf16Bits<false>(x[j], 0);
 }
 
+// Prefetches the gradient rows `values[position[e]]` for e in [begin, end): a
+// distinct row's entries, read at random places of the gradient.
+template <typename T>
+inline void PrefetchEntries(const T* values, const uint32_t* position, int64_t begin, int64_t end,
+                            int64_t row_size) {
+  for (int64_t e = begin; e < end; ++e) {
+    PrefetchRow(values + static_cast<int64_t>(position[e]) * row_size, row_size);
+  }
+}
+
 // Coalesces a gradient's rows: sorts them (`SortRows`) and runs
 // `visit(s, row, begin, end)` on each distinct row, the s-th in ascending
 // order, whose entries are `position[begin:end]` (`position` in input order),
-// in parallel chunks of distinct rows on XLA's pool, `prefetch(row)` a few rows
-// ahead. Writes `out_rows`: the distinct rows, then num_rows + slot for padding
-// slots. Returns the number of distinct rows.
+// in parallel chunks of distinct rows on XLA's pool, a row prefetched a few rows
+// ahead (`prefetch(row, position, begin, end)`: its entries too). Writes
+// `out_rows`: the distinct rows, then num_rows + slot for padding slots. Returns
+// the number of distinct rows.
 template <typename Prefetch, typename Visit>
 int64_t ForEachCoalescedRow(const int32_t* rows, int64_t nse, int64_t num_rows, int64_t row_size,
                             ffi::ThreadPool& pool, int32_t* out_rows, Prefetch prefetch,
@@ -390,7 +401,10 @@ int64_t ForEachCoalescedRow(const int32_t* rows, int64_t nse, int64_t num_rows, 
     const int64_t begin = num_unique * chunk / num_chunks;
     const int64_t end = num_unique * (chunk + 1) / num_chunks;
     for (int64_t s = begin; s < end; ++s) {
-      if (s + kPrefetchRows < end) prefetch(sorted_rows[starts[s + kPrefetchRows]]);
+      if (s + kPrefetchRows < end) {
+        const int64_t ahead = s + kPrefetchRows;
+        prefetch(sorted_rows[starts[ahead]], position.data(), starts[ahead], starts[ahead + 1]);
+      }
       const int64_t row = sorted_rows[starts[s]];
       out_rows[s] = static_cast<int32_t>(row);
       visit(s, row, position.data(), starts[s], starts[s + 1]);
@@ -414,7 +428,11 @@ void CoalescedRowsStep(const int32_t* rows, int64_t nse, const T* values, int64_
                        int64_t row_size, ffi::ThreadPool& pool, int32_t* out_rows, float* out,
                        Prefetch prefetch, Update update) {
   const int64_t num_unique = ForEachCoalescedRow(
-      rows, nse, num_rows, row_size, pool, out_rows, prefetch,
+      rows, nse, num_rows, row_size, pool, out_rows,
+      [&](int64_t row, const uint32_t* position, int64_t begin, int64_t end) {
+        prefetch(row);
+        PrefetchEntries(values, position, begin, end, row_size);
+      },
       [&](int64_t s, int64_t row, const uint32_t* position, int64_t begin, int64_t end) {
         float* g = out + s * row_size;
         SumEntries(g, values, position, begin, end, row_size);

@@ -40,10 +40,11 @@ void CoalesceGather(const int32_t* rows, int64_t nse, const T* values, int64_t n
   thread_local std::vector<float> scratch;
   const int64_t num_unique = ForEachCoalescedRow(
       rows, nse, num_rows, row_size, pool, out_rows,
-      [&](int64_t ahead) {
+      [&](int64_t ahead, const uint32_t* position, int64_t begin, int64_t end) {
         for (const GatheredTable& t : tables) {
           PrefetchRow(t.rows + ahead * t.row_bytes, t.row_bytes);
         }
+        PrefetchEntries(values, position, begin, end, row_size);
       },
       [&](int64_t s, int64_t row, const uint32_t* position, int64_t begin, int64_t end) {
         if constexpr (kWide) {

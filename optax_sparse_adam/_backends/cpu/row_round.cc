@@ -165,43 +165,67 @@ ffi::Error AddRoundedRowsImpl(ffi::Buffer<ffi::S32> rows, ffi::Buffer<ffi::F32> 
   return ffi::Error::Success();
 }
 
-// One entry's value as the table's dtype (cast to nearest), widened to float32.
-template <bool kF16>
-inline float EntryValue(const void* values, bool wide, int64_t k) {
-  if (wide) return Widen<kF16>(Nearest<kF16>(static_cast<const float*>(values)[k]));
-  return Widen<kF16>(static_cast<const uint16_t*>(values)[k]);
+// An entry's value cast to the table's dtype (to nearest), widened to float32.
+template <bool kF16, typename V>
+inline float EntryValue(V v) {
+  if constexpr (std::is_same_v<V, float>) return Widen<kF16>(Nearest<kF16>(v));
+  return Widen<kF16>(v);
 }
 
-template <bool kF16>
-void AddRowsInPlace(ffi::ThreadPool& pool, const int32_t* rows, int64_t nse, const void* values,
-                    bool wide, uint16_t* table, int64_t num_rows, int64_t row_size,
-                    bool rows_unique, bool round_each_add) {
+// `p = round(p + v)`: one entry added to a row in place.
+template <bool kF16, typename V>
+OSA_MULTIVERSIONED_TEMPLATE void AddEntryInPlace(uint16_t* __restrict__ p,
+                                                 const V* __restrict__ v, int64_t row_size) {
+  for (int64_t j = 0; j < row_size; ++j) {
+    p[j] = Nearest<kF16>(Widen<kF16>(p[j]) + EntryValue<kF16>(v[j]));
+  }
+}
+
+// `acc += v`, rounded to the table's dtype where `round_each_add`.
+template <bool kF16, typename V>
+OSA_MULTIVERSIONED_TEMPLATE void AddEntry(float* __restrict__ acc, const V* __restrict__ v,
+                                          int64_t row_size, bool round_each_add) {
+  for (int64_t j = 0; j < row_size; ++j) {
+    const float sum = acc[j] + EntryValue<kF16>(v[j]);
+    acc[j] = round_each_add ? Widen<kF16>(Nearest<kF16>(sum)) : sum;
+  }
+}
+
+template <bool kF16, typename V>
+void AddRowsInPlace(ffi::ThreadPool& pool, const int32_t* rows, int64_t nse, const V* values,
+                    uint16_t* table, int64_t num_rows, int64_t row_size, bool rows_unique,
+                    bool round_each_add) {
   auto prefetch = [&](int64_t row) { PrefetchRow(table + row * row_size, row_size); };
   if (rows_unique) {
     ForEachEntryRow(pool, rows, nse, num_rows, row_size, true, prefetch,
                     [&](int64_t i, int64_t row) {
-                      uint16_t* p = table + row * row_size;
-                      for (int64_t j = 0; j < row_size; ++j) {
-                        p[j] = Nearest<kF16>(Widen<kF16>(p[j]) +
-                                             EntryValue<kF16>(values, wide, i * row_size + j));
-                      }
+                      AddEntryInPlace<kF16>(table + row * row_size, values + i * row_size,
+                                            row_size);
                     });
     return;
   }
-  // Repeated rows: each distinct row's entries in input order (`ForEachCoalescedRow`).
+  // Repeated rows: each distinct row's entries in input order (`ForEachCoalescedRow`),
+  // summed in a float32 row.
   std::vector<int32_t> distinct(nse);
   ForEachCoalescedRow(
-      rows, nse, num_rows, row_size, pool, distinct.data(), prefetch,
+      rows, nse, num_rows, row_size, pool, distinct.data(),
+      [&](int64_t row, const uint32_t* position, int64_t begin, int64_t end) {
+        prefetch(row);
+        PrefetchEntries(values, position, begin, end, row_size);
+      },
       [&](int64_t, int64_t row, const uint32_t* position, int64_t begin, int64_t end) {
         uint16_t* p = table + row * row_size;
-        for (int64_t j = 0; j < row_size; ++j) {
-          float acc = Widen<kF16>(p[j]);
-          for (int64_t e = begin; e < end; ++e) {
-            acc += EntryValue<kF16>(values, wide, static_cast<int64_t>(position[e]) * row_size + j);
-            if (round_each_add) acc = Widen<kF16>(Nearest<kF16>(acc));
-          }
-          p[j] = Nearest<kF16>(acc);
+        if (end - begin == 1) {
+          AddEntryInPlace<kF16>(p, values + position[begin] * row_size, row_size);
+          return;
         }
+        thread_local std::vector<float> acc;
+        if (static_cast<int64_t>(acc.size()) < row_size) acc.resize(row_size);
+        for (int64_t j = 0; j < row_size; ++j) acc[j] = Widen<kF16>(p[j]);
+        for (int64_t e = begin; e < end; ++e) {
+          AddEntry<kF16>(acc.data(), values + position[e] * row_size, row_size, round_each_add);
+        }
+        for (int64_t j = 0; j < row_size; ++j) p[j] = Nearest<kF16>(acc[j]);
       });
 }
 
@@ -222,12 +246,17 @@ ffi::Error AddRowsInPlaceImpl(ffi::Buffer<ffi::S32> rows, ffi::AnyBuffer values,
   CopyIfNotAliased(table, out);
   auto* t = static_cast<uint16_t*>(out->untyped_data());
   const void* v = values.untyped_data();
-  if (table.element_type() == ffi::DataType::F16) {
-    AddRowsInPlace<true>(pool, rows.typed_data(), nse, v, wide, t, num_rows, row_size,
-                         rows_unique, round_each_add);
+  auto run = [&](auto f16_tag, const auto* typed) {
+    AddRowsInPlace<decltype(f16_tag)::value>(pool, rows.typed_data(), nse, typed, t, num_rows,
+                                             row_size, rows_unique, round_each_add);
+  };
+  const bool f16 = table.element_type() == ffi::DataType::F16;
+  const auto* wide_values = static_cast<const float*>(v);
+  const auto* narrow_values = static_cast<const uint16_t*>(v);
+  if (f16) {
+    wide ? run(std::true_type{}, wide_values) : run(std::true_type{}, narrow_values);
   } else {
-    AddRowsInPlace<false>(pool, rows.typed_data(), nse, v, wide, t, num_rows, row_size,
-                          rows_unique, round_each_add);
+    wide ? run(std::false_type{}, wide_values) : run(std::false_type{}, narrow_values);
   }
   return ffi::Error::Success();
 }
