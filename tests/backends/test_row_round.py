@@ -107,8 +107,16 @@ def test_add_rows_in_place_equals_the_xla_scatter_add(dtype, rows_unique, values
   assert not np.array_equal(_bits(got), _bits(table))
 
 
-@pytest.mark.parametrize("param_rounding", ["nearest", "stochastic"])
-@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+# Two of the four in the default tier (each dtype, each rounding); the others are slow.
+@pytest.mark.parametrize(
+  "dtype, param_rounding",
+  [
+    (jnp.bfloat16, "stochastic"),
+    (jnp.float16, "nearest"),
+    pytest.param(jnp.bfloat16, "nearest", marks=pytest.mark.slow),
+    pytest.param(jnp.float16, "stochastic", marks=pytest.mark.slow),
+  ],
+)
 def test_fused_steps_on_16_bit_tables_use_the_kernels_in_xla_bits(dtype, param_rounding):
   """Adam's fused kernel on a bf16/f16 table with a float32 gradient: the rows rounded
   by `add_rounded_rows` (stochastic) or added in place by `add_rows_in_place` (nearest);
@@ -158,8 +166,23 @@ BF16_GRAD_OPTS = {
 }
 
 
-@pytest.mark.parametrize("table_dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
-@pytest.mark.parametrize("name", sorted(BF16_GRAD_OPTS))
+# Adam's and SGD's kernels in the default tier; the other cells are slow.
+_BF16_GRAD_FAST = {("adam", "f32"), ("sgd_momentum", "bf16"), ("rowwise_adagrad_max_norm", "bf16")}
+
+
+@pytest.mark.parametrize(
+  "name, table_dtype",
+  [
+    pytest.param(
+      name,
+      dtype,
+      id=f"{name}-{label}",
+      marks=[] if (name, label) in _BF16_GRAD_FAST else [pytest.mark.slow],
+    )
+    for name in sorted(BF16_GRAD_OPTS)
+    for label, dtype in (("f32", jnp.float32), ("bf16", jnp.bfloat16))
+  ],
+)
 def test_a_bfloat16_gradient_takes_the_fused_kernel_in_xla_bits(name, table_dtype):
   """The fused kernels sum a bf16 gradient's rows rounding every add, as XLA does: three
   jitted, donated steps (repeated and padding rows, -0.0) equal the XLA ops' bits, and

@@ -57,6 +57,91 @@ inline uint16_t F16Nearest(float x) {
   return static_cast<uint16_t>(h | sign);
 }
 
+// Rows of float16 converted to and from float32: 8 values an instruction with
+// F16C (x86-64, checked at run time), whose conversions are XLA:CPU's; else the
+// portable ones above (the same bits).
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+__attribute__((target("avx,f16c"))) void WidenF16C(float* out, const uint16_t* in, int64_t n) {
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(in + j));
+    _mm256_storeu_ps(out + j, _mm256_cvtph_ps(h));
+  }
+  for (; j < n; ++j) out[j] = F16ToFloat(in[j]);
+}
+__attribute__((target("avx,f16c"))) void NarrowF16C(uint16_t* out, const float* in, int64_t n) {
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    const __m128i h = _mm256_cvtps_ph(_mm256_loadu_ps(in + j), _MM_FROUND_TO_NEAREST_INT);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + j), h);
+  }
+  for (; j < n; ++j) out[j] = F16Nearest(in[j]);
+}
+inline bool HasF16C() {
+  static const bool has = __builtin_cpu_supports("f16c") && __builtin_cpu_supports("avx");
+  return has;
+}
+#else
+inline bool HasF16C() { return false; }
+inline void WidenF16C(float*, const uint16_t*, int64_t) {}
+inline void NarrowF16C(uint16_t*, const float*, int64_t) {}
+#endif
+
+void WidenF16Row(float* out, const uint16_t* in, int64_t n) {
+  if (HasF16C()) return WidenF16C(out, in, n);
+  for (int64_t j = 0; j < n; ++j) out[j] = F16ToFloat(in[j]);
+}
+void NarrowF16Row(uint16_t* out, const float* in, int64_t n) {
+  if (HasF16C()) return NarrowF16C(out, in, n);
+  for (int64_t j = 0; j < n; ++j) out[j] = F16Nearest(in[j]);
+}
+
+// A float32 scratch row per thread (`k` of them: 0 or 1).
+float* Scratch(int k, int64_t n) {
+  thread_local std::vector<float> rows[2];
+  if (static_cast<int64_t>(rows[k].size()) < n) rows[k].resize(n);
+  return rows[k].data();
+}
+
+// `x`, finite, rounded stochastically to a float16 value held in float32
+// (`rounding.stochastic_round`'s float16 branch, branch-free): the value is
+// exact in float16, so converting it to nearest stores it.
+inline float F16StochasticValue(float x, uint32_t u) {
+  // Selects on integer compares of the bits (positive floats order as their bits):
+  // branch-free, so the row loop vectorizes.
+  const uint32_t magnitude_bits = Bits(x) & 0x7FFFFFFFu;
+  const uint32_t normal = (magnitude_bits + (u >> 3)) & 0xFFFFE000u;
+  // Used below 2^-14 only: there `scaled` < 2^10 and truncation is floor (clamped
+  // above, so that the conversion stays in range where it is not used).
+  const uint32_t clamped = magnitude_bits < 0x38800000u ? magnitude_bits : 0x38800000u;
+  const float scaled = WithBits(clamped) * 16777216.0f;  // 2^24
+  const float whole = static_cast<float>(static_cast<int32_t>(scaled));
+  // In [0, 2^16): int32 conversions and compares, which AVX2 vectorizes (uint32 ones not).
+  const int32_t fraction = static_cast<int32_t>((scaled - whole) * 65536.0f);
+  const int32_t carry = fraction + static_cast<int32_t>(u) >= 65536 ? 1 : 0;
+  const uint32_t subnormal = Bits((whole + static_cast<float>(carry)) * 5.9604644775390625e-8f);
+  const int32_t rounded = static_cast<int32_t>(magnitude_bits < 0x38800000u ? subnormal : normal);
+  const int32_t largest = static_cast<int32_t>(Bits(65504.0f));
+  const uint32_t saturated = static_cast<uint32_t>(rounded > largest ? largest : rounded);
+  return WithBits(saturated | (Bits(x) & 0x80000000u));
+}
+
+// `a[j]` rounded stochastically to float16 values (still float32) with the
+// parameter's bits of the row (`row_key`); non-finite values left as they are.
+OSA_MULTIVERSIONED void F16StochasticRow(float* __restrict__ a, int64_t n, uint32_t row_key) {
+  uint32_t j_mixed = 0;
+  for (int64_t j = 0; j < n; ++j, j_mixed += kElementMultiplier) {
+    const float x = a[j];
+    const float r = F16StochasticValue(x, StochasticBits(row_key, j_mixed));
+    a[j] = (Bits(x) & 0x7F800000u) != 0x7F800000u ? r : x;  // finite
+  }
+}
+
+OSA_MULTIVERSIONED void AddRow16(float* __restrict__ a, const float* __restrict__ b, int64_t n) {
+  for (int64_t j = 0; j < n; ++j) a[j] = a[j] + b[j];
+}
+
 // A 16-bit dtype's conversions: kF16 float16, else bfloat16.
 template <bool kF16>
 inline float Widen(uint16_t bits) {
@@ -81,28 +166,32 @@ inline uint16_t Stochastic(float x, uint32_t u) {
     return (up & 0x7FFFu) == 0x7F80u ? static_cast<uint16_t>(sign | 0x7F7Fu)
                                      : static_cast<uint16_t>(up);
   }
-  const float magnitude = std::fabs(x);
-  const float normal = WithBits((Bits(magnitude) + (u >> 3)) & 0xFFFFE000u);
-  const float scaled = magnitude * 16777216.0f;  // 2^24
-  const float whole = std::floor(scaled);
-  const uint32_t fraction = static_cast<uint32_t>((scaled - whole) * 65536.0f);
-  const float carry = fraction + u >= 65536u ? 1.0f : 0.0f;
-  const float subnormal = (whole + carry) * 5.9604644775390625e-8f;  // 2^-24
-  float rounded = magnitude < 6.103515625e-5f ? subnormal : normal;  // 2^-14
-  rounded = std::min(rounded, 65504.0f);
-  return static_cast<uint16_t>(F16Nearest(rounded) | sign);
+  return static_cast<uint16_t>(F16Nearest(F16StochasticValue(x, u)));
 }
 
 // `out = round(old + delta)` for one row; `row_key` keys the stochastic bits.
 template <bool kF16, bool kStochastic>
-OSA_MULTIVERSIONED_TEMPLATE void AddRoundRow(uint16_t* __restrict__ out,
-                                             const uint16_t* __restrict__ old,
-                                             const float* __restrict__ delta, int64_t row_size,
-                                             uint32_t row_key) {
+OSA_MULTIVERSIONED_TEMPLATE void AddRoundRowBf16(uint16_t* __restrict__ out,
+                                                 const uint16_t* __restrict__ old,
+                                                 const float* __restrict__ delta,
+                                                 int64_t row_size, uint32_t row_key) {
   uint32_t j_mixed = 0;
   for (int64_t j = 0; j < row_size; ++j, j_mixed += kElementMultiplier) {
     const float x = Widen<kF16>(old[j]) + delta[j];
     out[j] = kStochastic ? Stochastic<kF16>(x, StochasticBits(row_key, j_mixed)) : Nearest<kF16>(x);
+  }
+}
+template <bool kF16, bool kStochastic>
+void AddRoundRow(uint16_t* out, const uint16_t* old, const float* delta, int64_t row_size,
+                 uint32_t row_key) {
+  if constexpr (!kF16) {
+    AddRoundRowBf16<false, kStochastic>(out, old, delta, row_size, row_key);
+  } else {  // float16: converted a row at a time
+    float* a = Scratch(0, row_size);
+    WidenF16Row(a, old, row_size);
+    AddRow16(a, delta, row_size);
+    if (kStochastic) F16StochasticRow(a, row_size, row_key);
+    NarrowF16Row(out, a, row_size);
   }
 }
 
@@ -174,10 +263,37 @@ inline float EntryValue(V v) {
 
 // `p = round(p + v)`: one entry added to a row in place.
 template <bool kF16, typename V>
-OSA_MULTIVERSIONED_TEMPLATE void AddEntryInPlace(uint16_t* __restrict__ p,
-                                                 const V* __restrict__ v, int64_t row_size) {
+OSA_MULTIVERSIONED_TEMPLATE void AddEntryInPlaceBf16(uint16_t* __restrict__ p,
+                                                     const V* __restrict__ v, int64_t row_size) {
   for (int64_t j = 0; j < row_size; ++j) {
     p[j] = Nearest<kF16>(Widen<kF16>(p[j]) + EntryValue<kF16>(v[j]));
+  }
+}
+
+// `out` = the entry `v` as float16 values, in float32 (cast to float16 first).
+template <typename V>
+void F16EntryRow(float* out, const V* v, int64_t row_size) {
+  if constexpr (std::is_same_v<V, float>) {
+    thread_local std::vector<uint16_t> narrow;
+    if (static_cast<int64_t>(narrow.size()) < row_size) narrow.resize(row_size);
+    NarrowF16Row(narrow.data(), v, row_size);
+    WidenF16Row(out, narrow.data(), row_size);
+  } else {
+    WidenF16Row(out, v, row_size);
+  }
+}
+
+template <bool kF16, typename V>
+void AddEntryInPlace(uint16_t* p, const V* v, int64_t row_size) {
+  if constexpr (!kF16) {
+    AddEntryInPlaceBf16<false>(p, v, row_size);
+  } else {
+    float* a = Scratch(0, row_size);
+    float* b = Scratch(1, row_size);
+    WidenF16Row(a, p, row_size);
+    F16EntryRow(b, v, row_size);
+    AddRow16(a, b, row_size);
+    NarrowF16Row(p, a, row_size);
   }
 }
 
@@ -221,6 +337,13 @@ void AddRowsInPlace(ffi::ThreadPool& pool, const int32_t* rows, int64_t nse, con
         }
         thread_local std::vector<float> acc;
         if (static_cast<int64_t>(acc.size()) < row_size) acc.resize(row_size);
+        if constexpr (kF16) {
+          // Each add rounded to float16 (XLA's float16 scatter-add): an entry at a time.
+          for (int64_t e = begin; e < end; ++e) {
+            AddEntryInPlace<true>(p, values + position[e] * row_size, row_size);
+          }
+          return;
+        }
         for (int64_t j = 0; j < row_size; ++j) acc[j] = Widen<kF16>(p[j]);
         for (int64_t e = begin; e < end; ++e) {
           AddEntry<kF16>(acc.data(), values + position[e] * row_size, row_size, round_each_add);
