@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from optax_sparse_adam._backends import accelerator, choice, one_device, table_batched, xla
-from optax_sparse_adam._backends.cpu import kernels
+from optax_sparse_adam._backends.cpu import kernels, row_round
 from optax_sparse_adam._backends.protocol import StepBackend
 from optax_sparse_adam._core import bcoo, coalesce, rounding
 from optax_sparse_adam._core.bcoo import RowLayout
@@ -135,7 +135,7 @@ def _kernel_then_rounded(inputs: StepInputs, plan: StepPlan) -> RowsStep:
 
   The kernel computes the delta `xla.masked_step` computes (bit for bit), which
   `xla.rounded_param_rows` turns into the same rounded rows as the XLA path; on
-  a bfloat16 or float16 table the generic kernel `kernels.add_rounded_rows`
+  a bfloat16 or float16 table the generic kernel `row_round.add_rounded_rows`
   computes those bits, reading the table's rows in their 2 bytes a value.
   """
   nearest = plan._replace(config=plan.config._replace(param_rounding="nearest"))
@@ -144,11 +144,11 @@ def _kernel_then_rounded(inputs: StepInputs, plan: StepPlan) -> RowsStep:
   assert param is not None  # the optax layer keeps it for the rounding
   param_rows = bcoo.as_rows(param, plan.layout)
   compute_dtype = plan.config.compute_dtype
-  if jnp.dtype(compute_dtype) == jnp.dtype(jnp.float32) and kernels.rounds_rows(
+  if jnp.dtype(compute_dtype) == jnp.dtype(jnp.float32) and row_round.rounds_rows(
     param, nse=result.rows.shape[0], num_rows=plan.layout.num_rows
   ):
     keys = rounding.kernel_keys(inputs.step, rounding.PARAM_SLOT, inputs.row_offset)
-    new_rows = kernels.add_rounded_rows(
+    new_rows = row_round.add_rounded_rows(
       param_rows,
       result.rows,
       result.delta,
@@ -194,11 +194,11 @@ def scatter_add(
   generic = xla_add
 
   def on_cpu() -> Callable[..., jax.Array] | None:
-    if kernels.rounds_rows(param, nse=rows.shape[0], num_rows=layout.num_rows):
+    if row_round.rounds_rows(param, nse=rows.shape[0], num_rows=layout.num_rows):
 
       def add_rounded(param, rows, values):
         # bfloat16 and float16: XLA's sums and roundings, in place (no 16-bit table copy).
-        return kernels.add_rows_in_place(
+        return row_round.add_rows_in_place(
           param, rows, values, num_rows=layout.num_rows, rows_unique=rows_unique
         )
 

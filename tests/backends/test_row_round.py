@@ -1,8 +1,8 @@
 """The 16-bit row kernels (`row_round.cc`) against the XLA ops, in every bit.
 
-`kernels.add_rounded_rows` (a step's rows `round(table[rows] + delta)`, to
+`row_round.add_rounded_rows` (a step's rows `round(table[rows] + delta)`, to
 nearest or stochastically) against `rounding.param_store` on XLA's gathered
-rows; `kernels.add_rows_in_place` (the apply `table[rows] += values`) against
+rows; `row_round.add_rows_in_place` (the apply `table[rows] += values`) against
 `xla.scatter_add`; bfloat16 and float16 tables, jitted and eager, with padding,
 repeated rows, NaN, inf, -0.0, float16 subnormals and sums beyond float16's
 range (saturated when rounded stochastically, inf to nearest).
@@ -16,7 +16,7 @@ from jax.experimental import sparse
 
 import optax_sparse_adam as osa
 from optax_sparse_adam._backends import xla
-from optax_sparse_adam._backends.cpu import kernels
+from optax_sparse_adam._backends.cpu import kernels, row_round
 from optax_sparse_adam._core import bcoo, rounding
 from tests._helpers import BACKEND, train_step
 from tests.backends.test_memory import DIM, NUM_ROWS, _compile, _grad, _table_copies
@@ -61,7 +61,9 @@ def test_add_rounded_rows_equals_the_xla_rounding(dtype, stochastic, use_jit):
 
   def ours(table, rows, delta):
     keys = rounding.kernel_keys(step, rounding.PARAM_SLOT, offset)
-    return kernels.add_rounded_rows(table, rows, delta, keys, num_rows=ROWS, stochastic=stochastic)
+    return row_round.add_rounded_rows(
+      table, rows, delta, keys, num_rows=ROWS, stochastic=stochastic
+    )
 
   def reference(table, rows, delta):
     old = bcoo.gather_rows(table, rows).astype(jnp.float32)
@@ -93,7 +95,7 @@ def test_add_rows_in_place_equals_the_xla_scatter_add(dtype, rows_unique, values
   layout = bcoo.RowLayout((ROWS,), (WIDTH,))
 
   def ours(table, rows, values):
-    return kernels.add_rows_in_place(table, rows, values, num_rows=ROWS, rows_unique=rows_unique)
+    return row_round.add_rows_in_place(table, rows, values, num_rows=ROWS, rows_unique=rows_unique)
 
   def reference(table, rows, values):
     return xla.scatter_add(

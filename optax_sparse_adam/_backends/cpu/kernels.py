@@ -56,8 +56,8 @@ from optax_sparse_adam._core.sharded import sharding
 _SCATTER_ADD_ROWS = "optax_sparse_adam_scatter_add_rows_f32"
 _STORE_ROWS = "optax_sparse_adam_store_rows"  # row_store.cc: any dtype, any rule
 _COALESCE_GATHER = "optax_sparse_adam_coalesce_gather"  # row_gather.cc: any tables
-_ADD_ROUNDED_ROWS = "optax_sparse_adam_add_rounded_rows"  # row_round.cc: 16-bit tables
-_ADD_ROWS_IN_PLACE = "optax_sparse_adam_add_rows_in_place"  # row_round.cc: 16-bit tables
+ADD_ROUNDED_ROWS = "optax_sparse_adam_add_rounded_rows"  # row_round.cc: 16-bit tables
+ADD_ROWS_IN_PLACE = "optax_sparse_adam_add_rows_in_place"  # row_round.cc: 16-bit tables
 # The tables `store_rows` writes: the rows' bytes are copied, whatever they hold.
 _STORED_DTYPES = tuple(jnp.dtype(d) for d in (jnp.float32, jnp.bfloat16, jnp.float16))
 
@@ -115,8 +115,8 @@ def available() -> bool:
       _COALESCE_GATHER, jax.ffi.pycapsule(library.OsaCoalesceGather), platform="cpu"
     )
     for target, symbol in (
-      (_ADD_ROUNDED_ROWS, "OsaAddRoundedRows"),
-      (_ADD_ROWS_IN_PLACE, "OsaAddRowsInPlace"),
+      (ADD_ROUNDED_ROWS, "OsaAddRoundedRows"),
+      (ADD_ROWS_IN_PLACE, "OsaAddRowsInPlace"),
     ):
       jax.ffi.register_ffi_target(
         target, jax.ffi.pycapsule(getattr(library, symbol)), platform="cpu"
@@ -439,77 +439,3 @@ def coalesce_and_gather(
   it = iter(rows_of)
   gathered = [None if t is None else next(it) for t in (*tables, *read_only)]
   return CoalescedRows(unique_rows, sums), gathered, list(tables)
-
-
-# The tables `add_rounded_rows` and `add_rows_in_place` round to.
-_ROUNDED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-
-
-def rounds_rows(table: jax.Array, *, nse: int, num_rows: int) -> bool:
-  """Whether `add_rounded_rows` and `add_rows_in_place` take `table` (bfloat16 or float16;
-  as `store_applies` otherwise)."""
-  return jnp.dtype(table.dtype) in _ROUNDED_DTYPES and store_applies(
-    table, nse=nse, num_rows=num_rows
-  )
-
-
-def add_rounded_rows(
-  table: jax.Array,
-  rows: jax.Array,
-  delta: jax.Array,
-  keys: jax.Array,
-  *,
-  num_rows: int,
-  stochastic: bool,
-) -> jax.Array:
-  """`round(table[rows] + delta)` in the table's dtype, `(nse, ...)`, zeros where a row is padding.
-
-  `rows` are distinct where in range (a step's coalesced rows); `delta` is
-  float32 (the step's update of those rows); `keys` (uint32 `(2,)`,
-  `rounding.kernel_keys` at `PARAM_SLOT`) key the stochastic bits. The sum is
-  float32, rounded once to nearest or stochastically (`rounding.stochastic_round`):
-  `xla.rounded_param_rows`'s bits, reading 2 bytes a value of the table
-  (`row_round.cc`).
-  """
-  nse = rows.shape[0]
-  call = jax.ffi.ffi_call(
-    _ADD_ROUNDED_ROWS,
-    jax.ShapeDtypeStruct((nse, *table.shape[1:]), table.dtype),
-    vmap_method=moment_steps.VMAP_METHOD,
-  )
-  return call(
-    rows.astype(jnp.int32),
-    delta.astype(jnp.float32).reshape(nse, -1),
-    table,
-    keys.astype(jnp.uint32),
-    num_rows=num_rows,
-    stochastic=stochastic,
-  )
-
-
-def add_rows_in_place(
-  table: jax.Array, rows: jax.Array, values: jax.Array, *, num_rows: int, rows_unique: bool
-) -> jax.Array:
-  """`table[rows] += values` for a bfloat16 or float16 table, in place; padding rows dropped.
-
-  Each value is cast to the table's dtype first; a row's entries are added in
-  float32 in input order and rounded once to nearest for bfloat16
-  (`xla.scatter_add`'s path), at every add for float16 (XLA's scatter-add).
-  `table` keeps its shape and is viewed as `num_rows` rows (`row_round.cc`).
-  """
-  if jnp.dtype(values.dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(table.dtype)):
-    values = values.astype(table.dtype)
-  call = jax.ffi.ffi_call(
-    _ADD_ROWS_IN_PLACE,
-    jax.ShapeDtypeStruct(table.shape, table.dtype),
-    input_output_aliases={2: 0},
-    vmap_method=moment_steps.VMAP_METHOD,
-  )
-  return call(
-    rows.astype(jnp.int32),
-    values.reshape(rows.shape[0], -1),
-    table,
-    num_rows=num_rows,
-    rows_unique=rows_unique,
-    round_each_add=jnp.dtype(table.dtype) == jnp.dtype(jnp.float16),
-  )

@@ -4,9 +4,9 @@
 // (`rounding.stochastic_round` with the parameter's bits, `PARAM_SLOT`), reading
 // and writing 2 bytes a value where the XLA ops gather, convert and store:
 //
-// - `OsaAddRoundedRows` (`kernels.add_rounded_rows`): the rows a step sets,
+// - `OsaAddRoundedRows` (`row_round.add_rounded_rows`): the rows a step sets,
 //   `round(table[rows] + delta)`, zeros at padding (`xla.rounded_param_rows`);
-// - `OsaAddRowsInPlace` (`kernels.add_rows_in_place`): the apply
+// - `OsaAddRowsInPlace` (`row_round.add_rows_in_place`): the apply
 //   `table[rows] += values` in place, each value first cast to the table's dtype
 //   and each distinct row's entries added in float32 in input order, rounded
 //   once (`xla.scatter_add`'s bfloat16 path) or at every add (XLA's float16
