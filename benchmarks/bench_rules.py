@@ -218,9 +218,13 @@ def time_rules(ids, values, num_rows, *, steps, rounds, use_torch=True, tables_o
 
 
 def print_ratios(results) -> None:
-  """Each step's median (range) and fastest ratio to the `sparse_adam` kernel step."""
+  """Each step's median (range) and fastest ratio to the `sparse_adam` kernel step, then
+  that step's fastest time (to compare runs of two versions; noisy on a shared machine)."""
   for name, times in results:
     print(f"  {name:56s} {_summary(times):>34s}  x the Adam kernel step")
+  timed = [base for _, times in results[1:] for base, _ in times]
+  if timed:
+    print(f"  the Adam kernel step itself: fastest {min(timed) * 1e3:.3f} ms")
 
 
 def main(argv=None) -> None:

@@ -23,9 +23,9 @@ import jax.numpy as jnp
 from jax import lax
 
 from optax_sparse_adam._backends import accelerator, choice, one_device, table_batched, xla
-from optax_sparse_adam._backends.cpu import kernels
+from optax_sparse_adam._backends.cpu import kernels, row_round
 from optax_sparse_adam._backends.protocol import StepBackend
-from optax_sparse_adam._core import bcoo, coalesce
+from optax_sparse_adam._core import bcoo, coalesce, rounding
 from optax_sparse_adam._core.bcoo import RowLayout
 from optax_sparse_adam._core.rules import RowsStep, StepInputs, StepPlan
 from optax_sparse_adam._core.sharded import sharding
@@ -110,7 +110,7 @@ def _bind(inputs: StepInputs, plan: StepPlan) -> _Bound:
   def kernels_path() -> Callable[..., RowsStep] | None:
     if kernels.step_applies(inputs, plan):  # the rule's fused kernel
       rounds = plan.config.param_rounding == "stochastic"
-      return runs(_kernel_then_rounded if rounds else kernels.masked_step)
+      return runs(_kernel_then_rounded if rounds else kernels.in_values_dtype)
     if kernels.generic_step_applies(inputs, plan):
       # Any rule: the rows coalesced and gathered by the generic kernel, the rule's math in
       # XLA ops, its tables' rows stored in place by the generic kernel.
@@ -131,22 +131,38 @@ def _bind(inputs: StepInputs, plan: StepPlan) -> _Bound:
 
 
 def _kernel_then_rounded(inputs: StepInputs, plan: StepPlan) -> RowsStep:
-  """The fused kernel's step, then its rows `w + delta` rounded stochastically by XLA ops.
+  """The fused kernel's step, then its rows `w + delta` rounded stochastically.
 
   The kernel computes the delta `xla.masked_step` computes (bit for bit), which
-  `xla.rounded_param_rows` turns into the same rounded rows as the XLA path.
+  `xla.rounded_param_rows` turns into the same rounded rows as the XLA path; on
+  a bfloat16 or float16 table the generic kernel `row_round.add_rounded_rows`
+  computes those bits, reading the table's rows in their 2 bytes a value.
   """
   nearest = plan._replace(config=plan.config._replace(param_rounding="nearest"))
   result = kernels.masked_step(inputs, nearest)
   param = inputs.tables.param
   assert param is not None  # the optax layer keeps it for the rounding
-  param_rows = bcoo.gather_rows(bcoo.as_rows(param, plan.layout), result.rows)
+  param_rows = bcoo.as_rows(param, plan.layout)
+  compute_dtype = plan.config.compute_dtype
+  if jnp.dtype(compute_dtype) == jnp.dtype(jnp.float32) and row_round.rounds_rows(
+    param, nse=result.rows.shape[0], num_rows=plan.layout.num_rows
+  ):
+    keys = rounding.kernel_keys(inputs.step, rounding.PARAM_SLOT, inputs.row_offset)
+    new_rows = row_round.add_rounded_rows(
+      param_rows,
+      result.rows,
+      result.delta,
+      keys,
+      num_rows=plan.layout.num_rows,
+      stochastic=plan.config.param_rounding == "stochastic",
+    )
+    return result._replace(delta=new_rows)
   new_rows = xla.rounded_param_rows(
     inputs,
     plan,
     result.rows,
-    param_rows.astype(plan.config.compute_dtype),
-    result.delta.astype(plan.config.compute_dtype),
+    bcoo.gather_rows(param_rows, result.rows).astype(compute_dtype),
+    result.delta.astype(compute_dtype),
   )
   return result._replace(delta=new_rows)
 
@@ -178,11 +194,15 @@ def scatter_add(
   generic = xla_add
 
   def on_cpu() -> Callable[..., jax.Array] | None:
-    if param.dtype == jnp.bfloat16 and kernels.store_applies(
-      param, nse=rows.shape[0], num_rows=layout.num_rows
-    ):
-      # XLA's sums, rounded once, stored in place: no bfloat16 table copy.
-      return functools.partial(xla_add, store_rows=_kernel_store(layout))
+    if row_round.rounds_rows(param, nse=rows.shape[0], num_rows=layout.num_rows):
+
+      def add_rounded(param, rows, values):
+        # bfloat16 and float16: XLA's sums and roundings, in place (no 16-bit table copy).
+        return row_round.add_rows_in_place(
+          param, rows, values, num_rows=layout.num_rows, rows_unique=rows_unique
+        )
+
+      return add_rounded
     if kernels.scatter_add_applies(param, values, layout=layout):
 
       def add(param, rows, values):

@@ -192,9 +192,12 @@ def test_kernels_appear_in_the_cpu_step_only_where_they_apply():
   for rounding in ("nearest", "stochastic"):
     opt = osa.sparse_adam(1e-3, mu_dtype=jnp.bfloat16, moment_rounding=rounding)
     assert ADAM_KERNEL in _compiled_text(opt)
-  # Other dtypes: neither kernel.
+  # A bf16 table and gradient: the Adam kernel (its sums rounded to bf16 at every add), and
+  # the apply by the 16-bit kernel, not the float32 one.
   bf16 = _compiled_text(osa.sparse_adam(1e-3), dtype=jnp.bfloat16)
-  assert ADAM_KERNEL not in bf16 and ADD_KERNEL not in bf16
+  assert ADAM_KERNEL in bf16 and ADD_KERNEL not in bf16
+  assert "optax_sparse_adam_add_rows_in_place" in bf16
+  # The kernels read a float32 parameter only (decoupled weight decay here).
   bf16 = _compiled_text(osa.sparse_adamw(1e-3), dtype=jnp.bfloat16)
   assert ADAM_OPTIONS_KERNEL not in bf16
 

@@ -98,12 +98,15 @@ def _coalesce_cases(values_dtype):
   rows = rng.integers(0, ROWS, nse).astype(np.int32)
   rows[1:4] = rows[0]
   rows[-3:] = ROWS  # padding, as `bcoo.linear_rows` writes it
-  values = rng.standard_normal((nse, WIDTH)).astype(np.float32) * [1, 1e3, 1e-3, 1, 1e-6, 3e4]
+  # 19 values a row: the kernel sums a block of 16 values, then one at a time.
+  width = 19
+  scale = np.resize([1, 1e3, 1e-3, 1, 1e-6, 3e4], width)
+  values = rng.standard_normal((nse, width)).astype(np.float32) * scale
   values = np.clip(values, -6e4, 6e4)
   values[1] = -0.0  # a sum from +0.0: -0.0 + ... is not -0.0
-  values[5, 2] = np.nan
+  values[5, 2] = values[2, 17] = np.nan
   tables = [
-    jnp.asarray(rng.standard_normal((ROWS, WIDTH)), dtype)
+    jnp.asarray(rng.standard_normal((ROWS, width)), dtype)
     for dtype in (jnp.float32, jnp.bfloat16, jnp.float16)
   ]
   tables += [jnp.arange(ROWS, dtype=jnp.float32) + 0.5, jnp.arange(ROWS, dtype=jnp.int32)]

@@ -17,6 +17,7 @@
 #include <functional>
 #include <memory>
 #include <thread>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -325,45 +326,119 @@ void CopyIfNotAliased(const ffi::AnyBuffer& in, ffi::Result<ffi::AnyBuffer>& out
   }
 }
 
-// Coalesces a gradient's rows and runs `update(row, entry, g)` on each distinct
-// row (`entry`: the position of the row's first gradient entry).
-//
-// `g` is the row's summed gradient, written into the delta output (the update
-// turns it into the row's delta). Distinct rows are disjoint, so chunks of them
-// run in parallel. `prefetch(row)` is called a few rows ahead of each update.
-// Outputs: the distinct rows in ascending order then num_rows + slot for
-// padding slots; the deltas of those rows (zero in padding).
-template <typename Prefetch, typename Update>
-void CoalescedRowsStep(const int32_t* rows, int64_t nse, const float* values, int64_t num_rows,
-                       int64_t row_size, ffi::ThreadPool& pool, int32_t* out_rows, float* out,
-                       Prefetch prefetch, Update update) {
+// A gradient's value as float32: float32, or bfloat16 (its bits).
+// `SumRounded<T>` rounds a sum to T, as XLA rounds each add of 16-bit floats.
+template <typename T>
+inline float SumRounded(float x) {
+  if constexpr (std::is_same_v<T, uint16_t>) return ToFloat(Bf16Bits<false>(x, 0));
+  return x;
+}
+
+// `g[0:kWidth]` = the sum of `values[position[e] * row_size:][0:kWidth]` for e in
+// [begin, end), added in that order from +0.0 (-0.0 + 0.0 is +0.0), each add
+// rounded to T (`SumRounded`); the sums stay in registers over the entries.
+template <int64_t kWidth, typename T>
+inline void SumEntriesBlock(float* __restrict__ g, const T* __restrict__ values,
+                            const uint32_t* __restrict__ position, int64_t begin, int64_t end,
+                            int64_t row_size) {
+  float acc[kWidth];
+  for (int64_t k = 0; k < kWidth; ++k) acc[k] = 0.0f;
+  for (int64_t e = begin; e < end; ++e) {
+    const T* v = values + static_cast<int64_t>(position[e]) * row_size;
+    for (int64_t k = 0; k < kWidth; ++k) acc[k] = SumRounded<T>(acc[k] + ToFloat(v[k]));
+  }
+  for (int64_t k = 0; k < kWidth; ++k) g[k] = acc[k];
+}
+
+// `g` = the sum of the rows `values[position[e]]` for e in [begin, end), each
+// add rounded to T, in blocks of 16 values (then 1) kept in registers (blocks
+// of 32 or 64 measured slower: spilled).
+template <typename T>
+OSA_MULTIVERSIONED_TEMPLATE void SumEntries(float* __restrict__ g, const T* __restrict__ values,
+                                            const uint32_t* __restrict__ position, int64_t begin,
+                                            int64_t end, int64_t row_size) {
+  int64_t j = 0;
+  for (; j + 16 <= row_size; j += 16) {
+    SumEntriesBlock<16>(g + j, values + j, position, begin, end, row_size);
+  }
+  for (; j < row_size; ++j) SumEntriesBlock<1>(g + j, values + j, position, begin, end, row_size);
+}
+
+// `out` = `x` (bfloat16 values held in float32) as bfloat16 bits: exact.
+OSA_MULTIVERSIONED void ToBf16Row(uint16_t* __restrict__ out, const float* __restrict__ x,
+                                  int64_t row_size) {
+  for (int64_t j = 0; j < row_size; ++j) out[j] = Bf16Bits<false>(x[j], 0);
+}
+
+// Prefetches the gradient rows `values[position[e]]` for e in [begin, end): a
+// distinct row's entries, read at random places of the gradient.
+template <typename T>
+inline void PrefetchEntries(const T* values, const uint32_t* position, int64_t begin, int64_t end,
+                            int64_t row_size) {
+  for (int64_t e = begin; e < end; ++e) {
+    PrefetchRow(values + static_cast<int64_t>(position[e]) * row_size, row_size);
+  }
+}
+
+// Coalesces a gradient's rows: sorts them (`SortRows`) and runs
+// `visit(s, row, begin, end)` on each distinct row, the s-th in ascending
+// order, whose entries are `position[begin:end]` (`position` in input order),
+// in parallel chunks of distinct rows on XLA's pool, a row prefetched a few rows
+// ahead (`prefetch(row, position, begin, end)`: its entries too). Writes
+// `out_rows`: the distinct rows, then num_rows + slot for padding slots. Returns
+// the number of distinct rows.
+template <typename Prefetch, typename Visit>
+int64_t ForEachCoalescedRow(const int32_t* rows, int64_t nse, int64_t num_rows, int64_t row_size,
+                            ffi::ThreadPool& pool, int32_t* out_rows, Prefetch prefetch,
+                            Visit visit) {
   std::vector<uint32_t> sorted_rows, position;
   const int64_t n = SortRows(rows, nse, num_rows, sorted_rows, position);
   const std::vector<int64_t> starts = RunStarts(sorted_rows, n);
   const int64_t num_unique = static_cast<int64_t>(starts.size()) - 1;
-
   const int64_t num_chunks = std::max<int64_t>(
       1, std::min<int64_t>(num_unique, kChunksPerThread * (pool.num_threads() + 1)));
   auto run_chunk = [&](int64_t chunk) {
     const int64_t begin = num_unique * chunk / num_chunks;
     const int64_t end = num_unique * (chunk + 1) / num_chunks;
     for (int64_t s = begin; s < end; ++s) {
-      if (s + kPrefetchRows < end) prefetch(sorted_rows[starts[s + kPrefetchRows]]);
+      if (s + kPrefetchRows < end) {
+        const int64_t ahead = s + kPrefetchRows;
+        prefetch(sorted_rows[starts[ahead]], position.data(), starts[ahead], starts[ahead + 1]);
+      }
       const int64_t row = sorted_rows[starts[s]];
       out_rows[s] = static_cast<int32_t>(row);
-      float* g = out + s * row_size;
-      std::memset(g, 0, sizeof(float) * row_size);
-      for (int64_t e = starts[s]; e < starts[s + 1]; ++e) {
-        AddRow(g, values + static_cast<int64_t>(position[e]) * row_size, row_size);
-      }
-      update(row, static_cast<int64_t>(position[starts[s]]), g);
+      visit(s, row, position.data(), starts[s], starts[s + 1]);
     }
   };
   ParallelFor(pool, num_chunks, num_unique * row_size, run_chunk);
-  for (int64_t s = num_unique; s < nse; ++s) {
-    out_rows[s] = static_cast<int32_t>(num_rows + s);
-    std::memset(out + s * row_size, 0, sizeof(float) * row_size);
-  }
+  for (int64_t s = num_unique; s < nse; ++s) out_rows[s] = static_cast<int32_t>(num_rows + s);
+  return num_unique;
+}
+
+// Coalesces a gradient's rows and runs `update(row, entry, g)` on each distinct
+// row (`entry`: the position of the row's first gradient entry).
+//
+// `g` is the row's summed gradient (`SumEntries`), written into the delta
+// output (the update turns it into the row's delta). Distinct rows are
+// disjoint, so chunks of them run in parallel. `prefetch(row)` is called a few
+// rows ahead of each update. Outputs: as `ForEachCoalescedRow`; the deltas of
+// those rows (zero in padding).
+template <typename T, typename Prefetch, typename Update>
+void CoalescedRowsStep(const int32_t* rows, int64_t nse, const T* values, int64_t num_rows,
+                       int64_t row_size, ffi::ThreadPool& pool, int32_t* out_rows, float* out,
+                       Prefetch prefetch, Update update) {
+  const int64_t num_unique = ForEachCoalescedRow(
+      rows, nse, num_rows, row_size, pool, out_rows,
+      [&](int64_t row, const uint32_t* position, int64_t begin, int64_t end) {
+        prefetch(row);
+        PrefetchEntries(values, position, begin, end, row_size);
+      },
+      [&](int64_t s, int64_t row, const uint32_t* position, int64_t begin, int64_t end) {
+        float* g = out + s * row_size;
+        SumEntries(g, values, position, begin, end, row_size);
+        update(row, static_cast<int64_t>(position[begin]), g);
+      });
+  std::memset(out + num_unique * row_size, 0, sizeof(float) * (nse - num_unique) * row_size);
 }
 
 // The sum of a row's `row_size` values in `scratch`, added pairwise in
@@ -382,12 +457,25 @@ float PairwiseSum(float* scratch, int64_t row_size) {
 }
 
 // The FFI binding every row step shares (`CoalescedRowsStep`'s): its first
-// inputs, the gradient's rows (int32) and values (float32) (the scatter-add
-// takes its update's so too); then, after the step's own inputs, the
+// inputs, the gradient's rows (int32) and values (float32 or bfloat16; the
+// scatter-add takes its update's so too, float32 only); then, after the step's own inputs, the
 // attributes `RowStepAttrs`; then, after the step's own attributes, the pool
 // and the first outputs `RowStepOutputs`.
 inline auto RowStepBinding() {
-  return ffi::Ffi::Bind().Arg<ffi::Buffer<ffi::S32>>().Arg<ffi::Buffer<ffi::F32>>();
+  return ffi::Ffi::Bind().Arg<ffi::Buffer<ffi::S32>>().Arg<ffi::AnyBuffer>();
+}
+
+// Returns `run(values)` with the gradient's values typed: float32, or bfloat16
+// (its bits; `SumEntries` rounds their sums at every add, as XLA).
+template <typename Run>
+ffi::Error WithValues(const ffi::AnyBuffer& values, Run run) {
+  if (values.element_type() == ffi::DataType::F32) {
+    return run(static_cast<const float*>(values.untyped_data()));
+  }
+  if (values.element_type() == ffi::DataType::BF16) {
+    return run(static_cast<const uint16_t*>(values.untyped_data()));
+  }
+  return ffi::Error::InvalidArgument("values must be float32 or bfloat16");
 }
 
 // The table's number of rows, whether the step maximizes, whether bfloat16

@@ -182,7 +182,7 @@ ffi::Error WithMomentTypes(ffi::DataType mu, ffi::DataType nu, bool stochastic, 
 // (aliased to the inputs, so in place when donated).
 struct MomentStep {
   ffi::Buffer<ffi::S32> rows;
-  ffi::Buffer<ffi::F32> values;
+  ffi::AnyBuffer values;
   ffi::AnyBuffer mu;
   ffi::AnyBuffer nu;
   ffi::Buffer<ffi::F32> coeffs;
@@ -248,26 +248,28 @@ ffi::Error RunMomentStep(MomentStep& step, Update update, Prefetch prefetch = Pr
     constexpr bool kStochastic = decltype(rounding)::value;
     MuT* m = static_cast<MuT*>(step.mu_out->untyped_data());
     NuT* v = static_cast<NuT*>(step.nu_out->untyped_data());
-    CoalescedRowsStep(
-        step.rows.typed_data(), nse, step.values.typed_data(), step.num_rows, row_size, step.pool,
-        step.distinct_rows->typed_data(), step.delta->typed_data(),
-        [&](int64_t row) {
-          PrefetchRow(m + row * row_size, row_size);
-          PrefetchRow(v + row * nu_row_size, nu_row_size);
-          prefetch(row);
-        },
-        [&](int64_t row, int64_t entry, float* g) {
-          update(MomentRow<MuT, NuT, kStochastic>{
-              row, entry, m + row * row_size, v + row * nu_row_size, g, row_size,
-              kStochastic ? RowKey(mu_key, row + row_offset) : 0u});
-        });
-    return ffi::Error::Success();
+    return WithValues(step.values, [&](const auto* values) {
+      CoalescedRowsStep(
+          step.rows.typed_data(), nse, values, step.num_rows, row_size, step.pool,
+          step.distinct_rows->typed_data(), step.delta->typed_data(),
+          [&](int64_t row) {
+            PrefetchRow(m + row * row_size, row_size);
+            PrefetchRow(v + row * nu_row_size, nu_row_size);
+            prefetch(row);
+          },
+          [&](int64_t row, int64_t entry, float* g) {
+            update(MomentRow<MuT, NuT, kStochastic>{
+                row, entry, m + row * row_size, v + row * nu_row_size, g, row_size,
+                kStochastic ? RowKey(mu_key, row + row_offset) : 0u});
+          });
+      return ffi::Error::Success();
+    });
   };
   return WithMomentTypes(step.mu.element_type(), step.nu.element_type(), step.stochastic, run);
 }
 
 // The Adam step; coeffs f32 (4,) = (1 - b1, 1 - b2, eps, step_size).
-ffi::Error FusedAdamImpl(ffi::Buffer<ffi::S32> rows, ffi::Buffer<ffi::F32> values,
+ffi::Error FusedAdamImpl(ffi::Buffer<ffi::S32> rows, ffi::AnyBuffer values,
                         ffi::AnyBuffer mu, ffi::AnyBuffer nu, ffi::Buffer<ffi::F32> coeffs,
                         ffi::Buffer<ffi::U32> keys, int64_t num_rows, bool maximize,
                         bool stochastic, ffi::ThreadPool pool,
@@ -534,7 +536,7 @@ void WithOptions(int decay, bool catch_up, bool amsgrad, Body body) {
 // 1 - b2, eps, step_size, wd (L2) or lr * wd (decoupled), log b1, log b2,
 // log d, lr, the given step size, then `CatchUpBase` of b1 and of r).
 ffi::Error FusedAdamOptionsImpl(
-    ffi::Buffer<ffi::S32> rows, ffi::Buffer<ffi::F32> values, ffi::AnyBuffer mu,
+    ffi::Buffer<ffi::S32> rows, ffi::AnyBuffer values, ffi::AnyBuffer mu,
     ffi::AnyBuffer nu, ffi::Buffer<ffi::F32> coeffs, ffi::Buffer<ffi::U32> keys,
     ffi::Buffer<ffi::F32> param, ffi::AnyBuffer nu_max, ffi::Buffer<ffi::F32> entry_scales,
     ffi::Buffer<ffi::S32> last_step,
@@ -648,7 +650,7 @@ OSA_MULTIVERSIONED_TEMPLATE void RowwiseAdamRow(
 // wd (L2) or lr * wd (decoupled)), then the option buffers (`OptionInputs`;
 // entry_scales (nse, 2): each entry's row's lr / (1 - b1^t), 1 / (1 - b2^t)).
 ffi::Error FusedRowwiseAdamImpl(
-    ffi::Buffer<ffi::S32> rows, ffi::Buffer<ffi::F32> values, ffi::AnyBuffer mu,
+    ffi::Buffer<ffi::S32> rows, ffi::AnyBuffer values, ffi::AnyBuffer mu,
     ffi::AnyBuffer nu, ffi::Buffer<ffi::F32> coeffs, ffi::Buffer<ffi::U32> keys,
     ffi::Buffer<ffi::F32> param, ffi::AnyBuffer nu_max, ffi::Buffer<ffi::F32> entry_scales,
     int64_t num_rows,
@@ -686,7 +688,7 @@ ffi::Error FusedRowwiseAdamImpl(
 // scatter-add order); out-of-range rows (BCOO padding) are dropped. The update's
 // rows and values come first, as a step's gradient does (`RowStepBinding`).
 // `rows_unique` promises no in-range row repeats (sparse_adam's updates).
-ffi::Error ScatterAddRowsImpl(ffi::Buffer<ffi::S32> rows, ffi::Buffer<ffi::F32> values,
+ffi::Error ScatterAddRowsImpl(ffi::Buffer<ffi::S32> rows, ffi::AnyBuffer values,
                               ffi::Buffer<ffi::F32> param, int64_t num_rows, bool rows_unique,
                               ffi::ThreadPool pool, ffi::ResultBuffer<ffi::F32> out) {
   const int64_t nse = static_cast<int64_t>(rows.element_count());
@@ -697,7 +699,10 @@ ffi::Error ScatterAddRowsImpl(ffi::Buffer<ffi::S32> rows, ffi::Buffer<ffi::F32> 
   }
   float* p = out->typed_data();
   if (p != param.typed_data()) std::memcpy(p, param.typed_data(), param.size_bytes());
-  const float* val = values.typed_data();
+  if (values.element_type() != ffi::DataType::F32) {
+    return ffi::Error::InvalidArgument("values must be float32");
+  }
+  const float* val = static_cast<const float*>(values.untyped_data());
   ForEachEntryRow(
       pool, rows.typed_data(), nse, num_rows, row_size, rows_unique,
       [&](int64_t row) { PrefetchRow(p + row * row_size, row_size); },

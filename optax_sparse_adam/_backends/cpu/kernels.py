@@ -56,6 +56,8 @@ from optax_sparse_adam._core.sharded import sharding
 _SCATTER_ADD_ROWS = "optax_sparse_adam_scatter_add_rows_f32"
 _STORE_ROWS = "optax_sparse_adam_store_rows"  # row_store.cc: any dtype, any rule
 _COALESCE_GATHER = "optax_sparse_adam_coalesce_gather"  # row_gather.cc: any tables
+ADD_ROUNDED_ROWS = "optax_sparse_adam_add_rounded_rows"  # row_round.cc: 16-bit tables
+ADD_ROWS_IN_PLACE = "optax_sparse_adam_add_rows_in_place"  # row_round.cc: 16-bit tables
 # The tables `store_rows` writes: the rows' bytes are copied, whatever they hold.
 _STORED_DTYPES = tuple(jnp.dtype(d) for d in (jnp.float32, jnp.bfloat16, jnp.float16))
 
@@ -112,6 +114,13 @@ def available() -> bool:
     jax.ffi.register_ffi_target(
       _COALESCE_GATHER, jax.ffi.pycapsule(library.OsaCoalesceGather), platform="cpu"
     )
+    for target, symbol in (
+      (ADD_ROUNDED_ROWS, "OsaAddRoundedRows"),
+      (ADD_ROWS_IN_PLACE, "OsaAddRowsInPlace"),
+    ):
+      jax.ffi.register_ffi_target(
+        target, jax.ffi.pycapsule(getattr(library, symbol)), platform="cpu"
+      )
     jax.ffi.register_ffi_target(
       moment_steps.ENTRY_STEPS, jax.ffi.pycapsule(library.OsaEntryStepsS32), platform="cpu"
     )
@@ -134,7 +143,8 @@ def _applies(
 ) -> bool:
   """Whether a kernel may run a step on `arrays` (all float32) and `moments` at trace time.
 
-  `moments` may be float32 or bfloat16 (the step kernels store either).
+  `moments` may be float32 or bfloat16 (the step kernels store either, and sum a
+  gradient of either).
 
   Also needs at least one entry and one row of at least one value, no mesh with
   Explicit axes and arrays known to be on one device (a custom call cannot be
@@ -178,8 +188,18 @@ def step_applies(inputs: StepInputs, plan: StepPlan) -> bool:
 
 
 def masked_step(inputs: StepInputs, plan: StepPlan) -> RowsStep:
-  """`xla.masked_step` by the rule's fused kernel, for a step where `step_applies`."""
+  """`xla.masked_step` by the rule's fused kernel, for a step where `step_applies`.
+
+  The delta is float32 (the compute dtype); `xla.masked_step` gives it in the
+  gradient's dtype where the rows are not rounded (`in_values_dtype`).
+  """
   return _VARIANTS[plan.rule.name].masked_step(inputs, plan)
+
+
+def in_values_dtype(inputs: StepInputs, plan: StepPlan) -> RowsStep:
+  """`masked_step`, its delta cast to the gradient's dtype as `xla.masked_step` casts it."""
+  result = masked_step(inputs, plan)
+  return result._replace(delta=result.delta.astype(inputs.values.dtype))
 
 
 def scatter_add_applies(param: jax.Array, values: jax.Array, *, layout: RowLayout) -> bool:
@@ -225,8 +245,9 @@ def use_cpu_kernels(enable: bool) -> Iterator[None]:
 
 
 def _moment_step_applies(inputs: StepInputs, plan: StepPlan) -> bool:
-  """Float32 gradient (and parameter, read for weight decay), float32 or bf16 slots, int32
-  step tables, float32 arithmetic: any weight decay, amsgrad, per-row steps or catch-up."""
+  """Float32 or bfloat16 gradient, float32 parameter (read for weight decay), float32 or
+  bf16 slots, int32 step tables, float32 arithmetic: any weight decay, amsgrad, per-row
+  steps or catch-up."""
   tables, hyper, config = inputs.tables, inputs.hyper, plan.config
   weight_decay = config.weight_decay != "none"
   # Weight decay's terms are rounded as the kernels round them only with the rounding zero.
@@ -244,16 +265,17 @@ def _moment_step_applies(inputs: StepInputs, plan: StepPlan) -> bool:
     return False
   steps = tuple(x for x in (tables.row_step, tables.last_step) if x is not None)
   param = (tables.param,) if weight_decay else ()
+  # A bfloat16 gradient's rows are summed in it, each add rounded, as XLA sums them.
   return (
     jnp.dtype(config.compute_dtype) == jnp.dtype(jnp.float32)
     and all(jnp.dtype(x.dtype) == jnp.dtype(jnp.int32) for x in steps)
     and sharding.on_one_cpu_device(steps)
     and _applies(
-      (inputs.values, *param),
+      param,
       nse=inputs.values.shape[0],
       num_rows=plan.layout.num_rows,
       row_size=math.prod(plan.layout.dense_shape),
-      moments=tuple(slots.values()),
+      moments=(inputs.values, *slots.values()),
     )
   )
 

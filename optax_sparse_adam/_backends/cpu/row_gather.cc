@@ -13,6 +13,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "ffi_common.h"
@@ -26,71 +27,41 @@ struct GatheredTable {
   int64_t row_bytes;
 };
 
-// The gradient's values, as float32, and their sums rounded to the values' dtype
-// (float16 gradients are coalesced by XLA, whose conversions use the CPU's F16C).
-enum ValueType : int { kF32 = 0, kBF16 = 1 };
-template <int kType>
-inline float Load(const void* values, int64_t i) {
-  if constexpr (kType == kF32) return static_cast<const float*>(values)[i];
-  return ToFloat(static_cast<const uint16_t*>(values)[i]);
-}
-template <int kType>
-inline float Rounded(float x) {
-  if constexpr (kType == kF32) return x;
-  return ToFloat(Bf16Bits<false>(x, 0));
-}
-template <int kType>
-inline void Store(void* out, int64_t i, float x) {
-  if constexpr (kType == kF32) {
-    static_cast<float*>(out)[i] = x;
-  } else {
-    static_cast<uint16_t*>(out)[i] = Bf16Bits<false>(x, 0);
-  }
-}
-
 // Each distinct row's entries summed in input order from +0.0, every add rounded
-// to the values' dtype (as XLA adds 16-bit floats), and every table's row gathered.
-template <int kType>
-void CoalesceGather(const int32_t* rows, int64_t nse, const void* values, int64_t num_rows,
+// to the values' dtype T (float32, or bfloat16 bits: as XLA adds 16-bit floats;
+// float16 gradients are coalesced by XLA, whose conversions use the CPU's F16C),
+// and every table's row gathered.
+template <typename T>
+void CoalesceGather(const int32_t* rows, int64_t nse, const T* values, int64_t num_rows,
                     int64_t row_size, const std::vector<GatheredTable>& tables,
-                    ffi::ThreadPool& pool, int32_t* out_rows, void* sums) {
-  std::vector<uint32_t> sorted_rows, position;
-  const int64_t n = SortRows(rows, nse, num_rows, sorted_rows, position);
-  const std::vector<int64_t> starts = RunStarts(sorted_rows, n);
-  const int64_t num_unique = static_cast<int64_t>(starts.size()) - 1;
-  const int64_t num_chunks = std::max<int64_t>(
-      1, std::min<int64_t>(num_unique, kChunksPerThread * (pool.num_threads() + 1)));
-  auto run_chunk = [&](int64_t chunk) {
-    std::vector<float> acc(row_size);
-    const int64_t begin = num_unique * chunk / num_chunks;
-    const int64_t end = num_unique * (chunk + 1) / num_chunks;
-    for (int64_t s = begin; s < end; ++s) {
-      if (s + kPrefetchRows < end) {
-        const int64_t ahead = sorted_rows[starts[s + kPrefetchRows]];
+                    ffi::ThreadPool& pool, int32_t* out_rows, T* sums) {
+  constexpr bool kWide = std::is_same_v<T, float>;
+  // One scratch row per thread for 16-bit sums (float32 ones go to the output).
+  thread_local std::vector<float> scratch;
+  const int64_t num_unique = ForEachCoalescedRow(
+      rows, nse, num_rows, row_size, pool, out_rows,
+      [&](int64_t ahead, const uint32_t* position, int64_t begin, int64_t end) {
         for (const GatheredTable& t : tables) {
           PrefetchRow(t.rows + ahead * t.row_bytes, t.row_bytes);
         }
-      }
-      const int64_t row = sorted_rows[starts[s]];
-      out_rows[s] = static_cast<int32_t>(row);
-      std::fill(acc.begin(), acc.end(), 0.0f);
-      for (int64_t e = starts[s]; e < starts[s + 1]; ++e) {
-        const int64_t first = static_cast<int64_t>(position[e]) * row_size;
-        for (int64_t j = 0; j < row_size; ++j) {
-          acc[j] = Rounded<kType>(acc[j] + Load<kType>(values, first + j));
+        PrefetchEntries(values, position, begin, end, row_size);
+      },
+      [&](int64_t s, int64_t row, const uint32_t* position, int64_t begin, int64_t end) {
+        if constexpr (kWide) {
+          SumEntries(sums + s * row_size, values, position, begin, end, row_size);
+        } else {
+          if (static_cast<int64_t>(scratch.size()) < row_size) scratch.resize(row_size);
+          SumEntries(scratch.data(), values, position, begin, end, row_size);
+          ToBf16Row(sums + s * row_size, scratch.data(), row_size);
         }
-      }
-      for (int64_t j = 0; j < row_size; ++j) Store<kType>(sums, s * row_size + j, acc[j]);
-      for (const GatheredTable& t : tables) {
-        std::memcpy(t.out + s * t.row_bytes, t.rows + row * t.row_bytes, t.row_bytes);
-      }
-    }
-  };
-  ParallelFor(pool, num_chunks, num_unique * row_size, run_chunk);
-  for (int64_t s = num_unique; s < nse; ++s) {  // padding slots: out of range, zeros
-    out_rows[s] = static_cast<int32_t>(num_rows + s);
-    for (int64_t j = 0; j < row_size; ++j) Store<kType>(sums, s * row_size + j, 0.0f);
-    for (const GatheredTable& t : tables) std::memset(t.out + s * t.row_bytes, 0, t.row_bytes);
+        for (const GatheredTable& t : tables) {
+          std::memcpy(t.out + s * t.row_bytes, t.rows + row * t.row_bytes, t.row_bytes);
+        }
+      });
+  // Padding slots: out of range, zeros.
+  std::memset(sums + num_unique * row_size, 0, sizeof(T) * (nse - num_unique) * row_size);
+  for (const GatheredTable& t : tables) {
+    std::memset(t.out + num_unique * t.row_bytes, 0, (nse - num_unique) * t.row_bytes);
   }
 }
 
@@ -134,9 +105,11 @@ ffi::Error CoalesceGatherImpl(ffi::Buffer<ffi::S32> rows, ffi::AnyBuffer values,
   int32_t* rows_out = out_rows->typed_data();
   void* sums = out_values->untyped_data();
   if (type == ffi::DataType::F32) {
-    CoalesceGather<kF32>(r, nse, v, num_rows, row_size, ts, pool, rows_out, sums);
+    CoalesceGather(r, nse, static_cast<const float*>(v), num_rows, row_size, ts, pool, rows_out,
+                   static_cast<float*>(sums));
   } else {
-    CoalesceGather<kBF16>(r, nse, v, num_rows, row_size, ts, pool, rows_out, sums);
+    CoalesceGather(r, nse, static_cast<const uint16_t*>(v), num_rows, row_size, ts, pool,
+                   rows_out, static_cast<uint16_t*>(sums));
   }
   return ffi::Error::Success();
 }

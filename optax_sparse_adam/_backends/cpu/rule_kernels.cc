@@ -154,7 +154,7 @@ ffi::Error WithRuleTypes(int64_t rule, ffi::DataType slot_type, bool stochastic,
 // stochastic, rule (`RuleKind`), decay (0 none, 1 L2, 2 decoupled),
 // max_norm. Outputs: the distinct rows then padding, their deltas, the slot
 // (aliased to its input, so updated in place when donated).
-ffi::Error RuleStepImpl(ffi::Buffer<ffi::S32> rows, ffi::Buffer<ffi::F32> values,
+ffi::Error RuleStepImpl(ffi::Buffer<ffi::S32> rows, ffi::AnyBuffer values,
                         ffi::AnyBuffer slot, ffi::Buffer<ffi::F32> coeffs,
                         ffi::Buffer<ffi::U32> keys, ffi::Buffer<ffi::F32> param,
                         int64_t num_rows, bool maximize, bool stochastic, int64_t rule,
@@ -197,22 +197,24 @@ ffi::Error RuleStepImpl(ffi::Buffer<ffi::S32> rows, ffi::Buffer<ffi::F32> values
     constexpr int kRule = decltype(r)::value;
     constexpr bool kStochastic = decltype(st)::value;
     T* s = static_cast<T*>(slot_out->untyped_data());
-    CoalescedRowsStep(
-        rows.typed_data(), nse, values.typed_data(), num_rows, row_size, pool,
-        distinct_rows->typed_data(), delta->typed_data(),
-        [&](int64_t row) {
-          if (slot_row_size > 0) PrefetchRow(s + row * slot_row_size, slot_row_size);
-          if (p != nullptr) PrefetchRow(p + row * row_size, row_size);
-        },
-        [&](int64_t row, int64_t, float* g) {
-          thread_local std::vector<float> scratch;
-          if (static_cast<int64_t>(scratch.size()) < row_size) scratch.resize(row_size);
-          RuleRow<kRule, T, kStochastic, decltype(d)::value, decltype(norm)::value>(
-              g, s + row * slot_row_size, p == nullptr ? nullptr : p + row * row_size,
-              scratch.data(), row_size, maximize, scalars,
-              kStochastic ? RowKey(slot_key, row + row_offset) : 0u);
-        });
-    return ffi::Error::Success();
+    return WithValues(values, [&](const auto* vals) {
+      CoalescedRowsStep(
+          rows.typed_data(), nse, vals, num_rows, row_size, pool, distinct_rows->typed_data(),
+          delta->typed_data(),
+          [&](int64_t row) {
+            if (slot_row_size > 0) PrefetchRow(s + row * slot_row_size, slot_row_size);
+            if (p != nullptr) PrefetchRow(p + row * row_size, row_size);
+          },
+          [&](int64_t row, int64_t, float* g) {
+            thread_local std::vector<float> scratch;
+            if (static_cast<int64_t>(scratch.size()) < row_size) scratch.resize(row_size);
+            RuleRow<kRule, T, kStochastic, decltype(d)::value, decltype(norm)::value>(
+                g, s + row * slot_row_size, p == nullptr ? nullptr : p + row * row_size,
+                scratch.data(), row_size, maximize, scalars,
+                kStochastic ? RowKey(slot_key, row + row_offset) : 0u);
+          });
+      return ffi::Error::Success();
+    });
   });
 }
 

@@ -1,0 +1,409 @@
+// Generic kernels for 16-bit tables (bfloat16, float16): a row's new value
+// `round(table[row] + delta)`, computed in float32 and rounded once to the
+// table's dtype, to nearest (ties to even) or stochastically
+// (`rounding.stochastic_round` with the parameter's bits, `PARAM_SLOT`), reading
+// and writing 2 bytes a value where the XLA ops gather, convert and store:
+//
+// - `OsaAddRoundedRows` (`row_round.add_rounded_rows`): the rows a step sets,
+//   `round(table[rows] + delta)`, zeros at padding (`xla.rounded_param_rows`);
+// - `OsaAddRowsInPlace` (`row_round.add_rows_in_place`): the apply
+//   `table[rows] += values` in place, each value first cast to the table's dtype
+//   and each distinct row's entries added in float32 in input order, rounded
+//   once (`xla.scatter_add`'s bfloat16 path) or at every add (XLA's float16
+//   scatter-add).
+//
+// No rule's math: the same bits as the XLA ops by construction
+// (tests/backends/test_row_round.py).
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "ffi_common.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace {
+
+// float16 bits -> float32, exact (subnormals, inf, NaN with its payload).
+inline float F16ToFloat(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  const uint32_t shifted = static_cast<uint32_t>(h & 0x7FFFu) << 13;
+  const uint32_t exponent = shifted & 0x0F800000u;
+  uint32_t word = shifted + ((127u - 15u) << 23);
+  if (exponent == 0x0F800000u) word += (128u - 16u) << 23;  // inf, NaN
+  float x = WithBits(word);
+  // Zero and subnormals: renormalised by float32's own subtraction (exact).
+  if (exponent == 0) x = WithBits(word + (1u << 23)) - WithBits(113u << 23);
+  return WithBits(Bits(x) | sign);
+}
+
+// float32 -> float16 bits, to nearest, ties to even, as XLA and F16C convert:
+// beyond float16's range inf, NaN quieted with its payload's top bits.
+inline uint16_t F16Nearest(float x) {
+  uint32_t f = Bits(x);
+  const uint32_t sign = (f >> 16) & 0x8000u;
+  f &= 0x7FFFFFFFu;
+  uint32_t h;
+  if (f > 0x7F800000u) {
+    h = 0x7E00u | ((f & 0x7FFFFFu) >> 13);
+  } else if (f >= 0x47800000u) {  // 2^16 and above: inf
+    h = 0x7C00u;
+  } else if (f < 0x38800000u) {  // below 2^-14: float32's addition rounds at 2^-24
+    h = Bits(WithBits(f) + 0.5f) - Bits(0.5f);
+  } else {  // normal: 13 bits dropped, to nearest even
+    h = (f + ((15u - 127u) << 23) + 0xFFFu + ((f >> 13) & 1u)) >> 13;
+  }
+  return static_cast<uint16_t>(h | sign);
+}
+
+// Rows of float16 converted to and from float32: 8 values an instruction with
+// F16C (x86-64, checked at run time), whose conversions are XLA:CPU's; else the
+// portable ones above (the same bits).
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+__attribute__((target("avx,f16c"))) void WidenF16C(float* out, const uint16_t* in, int64_t n) {
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(in + j));
+    _mm256_storeu_ps(out + j, _mm256_cvtph_ps(h));
+  }
+  for (; j < n; ++j) out[j] = F16ToFloat(in[j]);
+}
+__attribute__((target("avx,f16c"))) void NarrowF16C(uint16_t* out, const float* in, int64_t n) {
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    const __m128i h = _mm256_cvtps_ph(_mm256_loadu_ps(in + j), _MM_FROUND_TO_NEAREST_INT);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + j), h);
+  }
+  for (; j < n; ++j) out[j] = F16Nearest(in[j]);
+}
+inline bool HasF16C() {
+  static const bool has = __builtin_cpu_supports("f16c") && __builtin_cpu_supports("avx");
+  return has;
+}
+#else
+inline bool HasF16C() { return false; }
+inline void WidenF16C(float*, const uint16_t*, int64_t) {}
+inline void NarrowF16C(uint16_t*, const float*, int64_t) {}
+#endif
+
+void WidenF16Row(float* out, const uint16_t* in, int64_t n) {
+  if (HasF16C()) return WidenF16C(out, in, n);
+  for (int64_t j = 0; j < n; ++j) out[j] = F16ToFloat(in[j]);
+}
+void NarrowF16Row(uint16_t* out, const float* in, int64_t n) {
+  if (HasF16C()) return NarrowF16C(out, in, n);
+  for (int64_t j = 0; j < n; ++j) out[j] = F16Nearest(in[j]);
+}
+
+// A float32 scratch row per thread (`k` of them: 0 or 1).
+float* Scratch(int k, int64_t n) {
+  thread_local std::vector<float> rows[2];
+  if (static_cast<int64_t>(rows[k].size()) < n) rows[k].resize(n);
+  return rows[k].data();
+}
+
+// `x`, finite, rounded stochastically to a float16 value held in float32
+// (`rounding.stochastic_round`'s float16 branch, branch-free): the value is
+// exact in float16, so converting it to nearest stores it.
+inline float F16StochasticValue(float x, uint32_t u) {
+  // Selects on integer compares of the bits (positive floats order as their bits):
+  // branch-free, so the row loop vectorizes.
+  const uint32_t magnitude_bits = Bits(x) & 0x7FFFFFFFu;
+  const uint32_t normal = (magnitude_bits + (u >> 3)) & 0xFFFFE000u;
+  // Used below 2^-14 only: there `scaled` < 2^10 and truncation is floor (clamped
+  // above, so that the conversion stays in range where it is not used).
+  const uint32_t clamped = magnitude_bits < 0x38800000u ? magnitude_bits : 0x38800000u;
+  const float scaled = WithBits(clamped) * 16777216.0f;  // 2^24
+  const float whole = static_cast<float>(static_cast<int32_t>(scaled));
+  // In [0, 2^16): int32 conversions and compares, which AVX2 vectorizes (uint32 ones not).
+  const int32_t fraction = static_cast<int32_t>((scaled - whole) * 65536.0f);
+  const int32_t carry = fraction + static_cast<int32_t>(u) >= 65536 ? 1 : 0;
+  const uint32_t subnormal = Bits((whole + static_cast<float>(carry)) * 5.9604644775390625e-8f);
+  const int32_t rounded = static_cast<int32_t>(magnitude_bits < 0x38800000u ? subnormal : normal);
+  const int32_t largest = static_cast<int32_t>(Bits(65504.0f));
+  const uint32_t saturated = static_cast<uint32_t>(rounded > largest ? largest : rounded);
+  return WithBits(saturated | (Bits(x) & 0x80000000u));
+}
+
+// `a[j]` rounded stochastically to float16 values (still float32) with the
+// parameter's bits of the row (`row_key`); non-finite values left as they are.
+OSA_MULTIVERSIONED void F16StochasticRow(float* __restrict__ a, int64_t n, uint32_t row_key) {
+  uint32_t j_mixed = 0;
+  for (int64_t j = 0; j < n; ++j, j_mixed += kElementMultiplier) {
+    const float x = a[j];
+    const float r = F16StochasticValue(x, StochasticBits(row_key, j_mixed));
+    a[j] = (Bits(x) & 0x7F800000u) != 0x7F800000u ? r : x;  // finite
+  }
+}
+
+OSA_MULTIVERSIONED void AddRow16(float* __restrict__ a, const float* __restrict__ b, int64_t n) {
+  for (int64_t j = 0; j < n; ++j) a[j] = a[j] + b[j];
+}
+
+// A 16-bit dtype's conversions: kF16 float16, else bfloat16.
+template <bool kF16>
+inline float Widen(uint16_t bits) {
+  if constexpr (kF16) return F16ToFloat(bits);
+  return ToFloat(bits);
+}
+template <bool kF16>
+inline uint16_t Nearest(float x) {
+  if constexpr (kF16) return F16Nearest(x);
+  return Bf16Bits<false>(x, 0);
+}
+
+// `rounding.stochastic_round(x, u, dtype)`: up with probability the dropped
+// fraction of an ulp (read against the 16 random bits `u`), a finite value
+// beyond the dtype's largest saturated to it, NaN and inf to nearest.
+template <bool kF16>
+inline uint16_t Stochastic(float x, uint32_t u) {
+  if (!std::isfinite(x)) return Nearest<kF16>(x);
+  const uint16_t sign = static_cast<uint16_t>((Bits(x) >> 16) & 0x8000u);
+  if constexpr (!kF16) {
+    const uint32_t up = (Bits(x) + u) >> 16;
+    return (up & 0x7FFFu) == 0x7F80u ? static_cast<uint16_t>(sign | 0x7F7Fu)
+                                     : static_cast<uint16_t>(up);
+  }
+  return static_cast<uint16_t>(F16Nearest(F16StochasticValue(x, u)));
+}
+
+// `out = round(old + delta)` for one row; `row_key` keys the stochastic bits.
+template <bool kF16, bool kStochastic>
+OSA_MULTIVERSIONED_TEMPLATE void AddRoundRowBf16(uint16_t* __restrict__ out,
+                                                 const uint16_t* __restrict__ old,
+                                                 const float* __restrict__ delta,
+                                                 int64_t row_size, uint32_t row_key) {
+  uint32_t j_mixed = 0;
+  for (int64_t j = 0; j < row_size; ++j, j_mixed += kElementMultiplier) {
+    const float x = Widen<kF16>(old[j]) + delta[j];
+    out[j] = kStochastic ? Stochastic<kF16>(x, StochasticBits(row_key, j_mixed)) : Nearest<kF16>(x);
+  }
+}
+template <bool kF16, bool kStochastic>
+void AddRoundRow(uint16_t* out, const uint16_t* old, const float* delta, int64_t row_size,
+                 uint32_t row_key) {
+  if constexpr (!kF16) {
+    AddRoundRowBf16<false, kStochastic>(out, old, delta, row_size, row_key);
+  } else {  // float16: converted a row at a time
+    float* a = Scratch(0, row_size);
+    WidenF16Row(a, old, row_size);
+    AddRow16(a, delta, row_size);
+    if (kStochastic) F16StochasticRow(a, row_size, row_key);
+    NarrowF16Row(out, a, row_size);
+  }
+}
+
+ffi::Error CheckTable(const ffi::AnyBuffer& table, int64_t num_rows, int64_t* row_size) {
+  const ffi::DataType type = table.element_type();
+  if (type != ffi::DataType::BF16 && type != ffi::DataType::F16) {
+    return ffi::Error::InvalidArgument("table must be bfloat16 or float16");
+  }
+  *row_size = RowSize(table.element_count(), num_rows);
+  if (*row_size <= 0) return ffi::Error::InvalidArgument("table must hold num_rows rows");
+  return ffi::Error::Success();
+}
+
+template <bool kF16, bool kStochastic>
+void AddRoundedRows(ffi::ThreadPool& pool, const int32_t* rows, int64_t nse, const float* delta,
+                    const uint16_t* table, int64_t num_rows, int64_t row_size, uint32_t key,
+                    uint32_t row_offset, uint16_t* out) {
+  for (int64_t i = 0; i < nse; ++i) {  // padding (out of range): zeros
+    if (rows[i] < 0 || rows[i] >= num_rows) std::memset(out + i * row_size, 0, 2 * row_size);
+  }
+  ForEachEntryRow(
+      pool, rows, nse, num_rows, row_size, /*rows_unique=*/true,
+      [&](int64_t row) { PrefetchRow(table + row * row_size, row_size); },
+      [&](int64_t i, int64_t row) {
+        const uint32_t row_key = RowKey(key, static_cast<uint32_t>(row) + row_offset);
+        AddRoundRow<kF16, kStochastic>(out + i * row_size, table + row * row_size,
+                                       delta + i * row_size, row_size, row_key);
+      });
+}
+
+// rows s32 (nse,) distinct in range, delta f32 (nse, row_size), table bf16/f16,
+// keys u32 (2,): the parameter's step key and the table's first global row.
+ffi::Error AddRoundedRowsImpl(ffi::Buffer<ffi::S32> rows, ffi::Buffer<ffi::F32> delta,
+                              ffi::AnyBuffer table, ffi::Buffer<ffi::U32> keys, int64_t num_rows,
+                              bool stochastic, ffi::ThreadPool pool,
+                              ffi::Result<ffi::AnyBuffer> out) {
+  int64_t row_size = 0;
+  if (ffi::Error error = CheckTable(table, num_rows, &row_size); error.failure()) return error;
+  const int64_t nse = static_cast<int64_t>(rows.element_count());
+  if (static_cast<int64_t>(delta.element_count()) != nse * row_size ||
+      static_cast<int64_t>(out->element_count()) != nse * row_size ||
+      out->element_type() != table.element_type() || keys.element_count() != 2) {
+    return ffi::Error::InvalidArgument("delta and out must hold nse rows; keys (2,)");
+  }
+  const bool f16 = table.element_type() == ffi::DataType::F16;
+  auto* o = static_cast<uint16_t*>(out->untyped_data());
+  const auto* t = static_cast<const uint16_t*>(table.untyped_data());
+  const uint32_t key = keys.typed_data()[0], offset = keys.typed_data()[1];
+  auto run = [&](auto f16_tag, auto stochastic_tag) {
+    AddRoundedRows<decltype(f16_tag)::value, decltype(stochastic_tag)::value>(
+        pool, rows.typed_data(), nse, delta.typed_data(), t, num_rows, row_size, key, offset, o);
+  };
+  using T = std::true_type;
+  using F = std::false_type;
+  if (f16) {
+    stochastic ? run(T{}, T{}) : run(T{}, F{});
+  } else {
+    stochastic ? run(F{}, T{}) : run(F{}, F{});
+  }
+  return ffi::Error::Success();
+}
+
+// An entry's value cast to the table's dtype (to nearest), widened to float32.
+template <bool kF16, typename V>
+inline float EntryValue(V v) {
+  if constexpr (std::is_same_v<V, float>) return Widen<kF16>(Nearest<kF16>(v));
+  return Widen<kF16>(v);
+}
+
+// `p = round(p + v)`: one entry added to a row in place.
+template <bool kF16, typename V>
+OSA_MULTIVERSIONED_TEMPLATE void AddEntryInPlaceBf16(uint16_t* __restrict__ p,
+                                                     const V* __restrict__ v, int64_t row_size) {
+  for (int64_t j = 0; j < row_size; ++j) {
+    p[j] = Nearest<kF16>(Widen<kF16>(p[j]) + EntryValue<kF16>(v[j]));
+  }
+}
+
+// `out` = the entry `v` as float16 values, in float32 (cast to float16 first).
+template <typename V>
+void F16EntryRow(float* out, const V* v, int64_t row_size) {
+  if constexpr (std::is_same_v<V, float>) {
+    thread_local std::vector<uint16_t> narrow;
+    if (static_cast<int64_t>(narrow.size()) < row_size) narrow.resize(row_size);
+    NarrowF16Row(narrow.data(), v, row_size);
+    WidenF16Row(out, narrow.data(), row_size);
+  } else {
+    WidenF16Row(out, v, row_size);
+  }
+}
+
+template <bool kF16, typename V>
+void AddEntryInPlace(uint16_t* p, const V* v, int64_t row_size) {
+  if constexpr (!kF16) {
+    AddEntryInPlaceBf16<false>(p, v, row_size);
+  } else {
+    float* a = Scratch(0, row_size);
+    float* b = Scratch(1, row_size);
+    WidenF16Row(a, p, row_size);
+    F16EntryRow(b, v, row_size);
+    AddRow16(a, b, row_size);
+    NarrowF16Row(p, a, row_size);
+  }
+}
+
+// `acc += v`, rounded to the table's dtype where `round_each_add`.
+template <bool kF16, typename V>
+OSA_MULTIVERSIONED_TEMPLATE void AddEntry(float* __restrict__ acc, const V* __restrict__ v,
+                                          int64_t row_size, bool round_each_add) {
+  for (int64_t j = 0; j < row_size; ++j) {
+    const float sum = acc[j] + EntryValue<kF16>(v[j]);
+    acc[j] = round_each_add ? Widen<kF16>(Nearest<kF16>(sum)) : sum;
+  }
+}
+
+template <bool kF16, typename V>
+void AddRowsInPlace(ffi::ThreadPool& pool, const int32_t* rows, int64_t nse, const V* values,
+                    uint16_t* table, int64_t num_rows, int64_t row_size, bool rows_unique,
+                    bool round_each_add) {
+  auto prefetch = [&](int64_t row) { PrefetchRow(table + row * row_size, row_size); };
+  if (rows_unique) {
+    ForEachEntryRow(pool, rows, nse, num_rows, row_size, true, prefetch,
+                    [&](int64_t i, int64_t row) {
+                      AddEntryInPlace<kF16>(table + row * row_size, values + i * row_size,
+                                            row_size);
+                    });
+    return;
+  }
+  // Repeated rows: each distinct row's entries in input order (`ForEachCoalescedRow`),
+  // summed in a float32 row.
+  std::vector<int32_t> distinct(nse);
+  ForEachCoalescedRow(
+      rows, nse, num_rows, row_size, pool, distinct.data(),
+      [&](int64_t row, const uint32_t* position, int64_t begin, int64_t end) {
+        prefetch(row);
+        PrefetchEntries(values, position, begin, end, row_size);
+      },
+      [&](int64_t, int64_t row, const uint32_t* position, int64_t begin, int64_t end) {
+        uint16_t* p = table + row * row_size;
+        if (end - begin == 1) {
+          AddEntryInPlace<kF16>(p, values + position[begin] * row_size, row_size);
+          return;
+        }
+        thread_local std::vector<float> acc;
+        if (static_cast<int64_t>(acc.size()) < row_size) acc.resize(row_size);
+        if constexpr (kF16) {
+          // Each add rounded to float16 (XLA's float16 scatter-add): an entry at a time.
+          for (int64_t e = begin; e < end; ++e) {
+            AddEntryInPlace<true>(p, values + position[e] * row_size, row_size);
+          }
+          return;
+        }
+        for (int64_t j = 0; j < row_size; ++j) acc[j] = Widen<kF16>(p[j]);
+        for (int64_t e = begin; e < end; ++e) {
+          AddEntry<kF16>(acc.data(), values + position[e] * row_size, row_size, round_each_add);
+        }
+        for (int64_t j = 0; j < row_size; ++j) p[j] = Nearest<kF16>(acc[j]);
+      });
+}
+
+// rows s32 (nse,), values (nse, row_size) f32 or the table's dtype, table bf16/f16
+// (aliased to the output): `table[rows] += values`, out-of-range rows dropped.
+ffi::Error AddRowsInPlaceImpl(ffi::Buffer<ffi::S32> rows, ffi::AnyBuffer values,
+                              ffi::AnyBuffer table, int64_t num_rows, bool rows_unique,
+                              bool round_each_add, ffi::ThreadPool pool,
+                              ffi::Result<ffi::AnyBuffer> out) {
+  int64_t row_size = 0;
+  if (ffi::Error error = CheckTable(table, num_rows, &row_size); error.failure()) return error;
+  const int64_t nse = static_cast<int64_t>(rows.element_count());
+  const bool wide = values.element_type() == ffi::DataType::F32;
+  if ((!wide && values.element_type() != table.element_type()) ||
+      static_cast<int64_t>(values.element_count()) != nse * row_size) {
+    return ffi::Error::InvalidArgument("values must be nse rows, float32 or the table's dtype");
+  }
+  CopyIfNotAliased(table, out);
+  auto* t = static_cast<uint16_t*>(out->untyped_data());
+  const void* v = values.untyped_data();
+  auto run = [&](auto f16_tag, const auto* typed) {
+    AddRowsInPlace<decltype(f16_tag)::value>(pool, rows.typed_data(), nse, typed, t, num_rows,
+                                             row_size, rows_unique, round_each_add);
+  };
+  const bool f16 = table.element_type() == ffi::DataType::F16;
+  const auto* wide_values = static_cast<const float*>(v);
+  const auto* narrow_values = static_cast<const uint16_t*>(v);
+  if (f16) {
+    wide ? run(std::true_type{}, wide_values) : run(std::true_type{}, narrow_values);
+  } else {
+    wide ? run(std::false_type{}, wide_values) : run(std::false_type{}, narrow_values);
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(OsaAddRoundedRows, AddRoundedRowsImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::U32>>()
+                                  .Attr<int64_t>("num_rows")
+                                  .Attr<bool>("stochastic")
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Ret<ffi::AnyBuffer>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(OsaAddRowsInPlace, AddRowsInPlaceImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Attr<int64_t>("num_rows")
+                                  .Attr<bool>("rows_unique")
+                                  .Attr<bool>("round_each_add")
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Ret<ffi::AnyBuffer>());

@@ -1,0 +1,221 @@
+"""The 16-bit row kernels (`row_round.cc`) against the XLA ops, in every bit.
+
+`row_round.add_rounded_rows` (a step's rows `round(table[rows] + delta)`, to
+nearest or stochastically) against `rounding.param_store` on XLA's gathered
+rows; `row_round.add_rows_in_place` (the apply `table[rows] += values`) against
+`xla.scatter_add`; bfloat16 and float16 tables, jitted and eager, with padding,
+repeated rows, NaN, inf, -0.0, float16 subnormals and sums beyond float16's
+range (saturated when rounded stochastically, inf to nearest).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental import sparse
+
+import optax_sparse_adam as osa
+from optax_sparse_adam._backends import xla
+from optax_sparse_adam._backends.cpu import kernels, row_round
+from optax_sparse_adam._core import bcoo, rounding
+from tests._helpers import BACKEND, train_step
+from tests.backends.test_memory import DIM, NUM_ROWS, _compile, _grad, _table_copies
+from tests.backends.test_row_store import _bits
+
+pytestmark = pytest.mark.skipif(
+  BACKEND != "cpu" or not kernels.available(), reason="the CPU kernels run on the CPU only"
+)
+
+ROWS, WIDTH = 40, 21  # a row of 21 values: vector blocks and a tail
+DTYPES = [jnp.bfloat16, jnp.float16]
+JIT = pytest.mark.parametrize("use_jit", [False, True], ids=["eager", "jit"])
+
+
+def _table(dtype):
+  rng = np.random.default_rng(0)
+  table = rng.standard_normal((ROWS, WIDTH)).astype(np.float32)
+  table[1] = 65000.0  # float16: near its largest finite value
+  table[2] = np.float32(3e-6)  # float16: subnormal
+  table[3, :4] = [np.inf, -np.inf, np.nan, -0.0]
+  return jnp.asarray(table, dtype)
+
+
+def _delta(nse):
+  rng = np.random.default_rng(1)
+  delta = rng.standard_normal((nse, WIDTH)).astype(np.float32) * 1e-3
+  delta[0, :3] = [100.0, -7e4, 1e5]  # overflows float16 (row 1 near 65504)
+  delta[1, :3] = [1e-7, -3e-6, 2e-8]  # float16 subnormals
+  delta[2, 5] = np.nan
+  return jnp.asarray(delta)
+
+
+@pytest.mark.parametrize("stochastic", [False, True], ids=["nearest", "stochastic"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+@JIT
+def test_add_rounded_rows_equals_the_xla_rounding(dtype, stochastic, use_jit):
+  table = _table(dtype)
+  rows = jnp.asarray([1, 2, 3, 7, 0, 39, ROWS, ROWS + 1], jnp.int32)  # distinct, then padding
+  delta = _delta(rows.shape[0])
+  step, offset = jnp.asarray(5, jnp.int32), jnp.asarray(3, jnp.int32)
+  name = "stochastic" if stochastic else "nearest"
+
+  def ours(table, rows, delta):
+    keys = rounding.kernel_keys(step, rounding.PARAM_SLOT, offset)
+    return row_round.add_rounded_rows(
+      table, rows, delta, keys, num_rows=ROWS, stochastic=stochastic
+    )
+
+  def reference(table, rows, delta):
+    old = bcoo.gather_rows(table, rows).astype(jnp.float32)
+    store = rounding.param_store(name, dtype=dtype, step=step, rows=rows, row_offset=offset)
+    rounded = store(old + delta) if stochastic else (old + delta).astype(dtype)
+    return jnp.where((rows < ROWS)[:, None], rounded, jnp.zeros((), dtype))
+
+  run = jax.jit if use_jit else (lambda f: f)
+  got, want = run(ours)(table, rows, delta), run(reference)(table, rows, delta)
+  assert got.dtype == want.dtype == jnp.dtype(dtype)
+  np.testing.assert_array_equal(_bits(got), _bits(want))
+  if dtype == jnp.float16:  # 65000 + 1e5: saturated when rounded stochastically, else inf
+    assert float(got[0, 2]) == (65504.0 if stochastic else np.inf)
+
+
+@pytest.mark.parametrize("values_dtype", ["f32", "table"])
+@pytest.mark.parametrize("rows_unique", [True, False], ids=["unique", "repeated"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+@JIT
+def test_add_rows_in_place_equals_the_xla_scatter_add(dtype, rows_unique, values_dtype, use_jit):
+  table = _table(dtype)
+  rows = [1, 2, 3, 7, 0, 39, ROWS, ROWS + 3]
+  if not rows_unique:
+    rows += [7, 2, ROWS, 7]  # repeated rows, added in input order
+  rows = jnp.asarray(rows, jnp.int32)
+  values = _delta(rows.shape[0])
+  if values_dtype == "table":
+    values = values.astype(dtype)
+  layout = bcoo.RowLayout((ROWS,), (WIDTH,))
+
+  def ours(table, rows, values):
+    return row_round.add_rows_in_place(table, rows, values, num_rows=ROWS, rows_unique=rows_unique)
+
+  def reference(table, rows, values):
+    return xla.scatter_add(
+      table, rows, values, layout=layout, rows_unique=rows_unique, rows_sorted=False
+    )
+
+  run = jax.jit if use_jit else (lambda f: f)
+  want = run(reference)(table, rows, values)
+  got = run(ours)(table, rows, values)
+  np.testing.assert_array_equal(_bits(got), _bits(want))
+  assert not np.array_equal(_bits(got), _bits(table))
+
+
+# Two of the four in the default tier (each dtype, each rounding); the others are slow.
+@pytest.mark.parametrize(
+  "dtype, param_rounding",
+  [
+    (jnp.bfloat16, "stochastic"),
+    (jnp.float16, "nearest"),
+    pytest.param(jnp.bfloat16, "nearest", marks=pytest.mark.slow),
+    pytest.param(jnp.float16, "stochastic", marks=pytest.mark.slow),
+  ],
+)
+def test_fused_steps_on_16_bit_tables_use_the_kernels_in_xla_bits(dtype, param_rounding):
+  """Adam's fused kernel on a bf16/f16 table with a float32 gradient: the rows rounded
+  by `add_rounded_rows` (stochastic) or added in place by `add_rows_in_place` (nearest);
+  three jitted, donated steps with repeated and padding rows equal the XLA ops' bits, and
+  the compiled step has no table-sized temporary or copy."""
+  opt = osa.sparse_adam(
+    1e-2, mu_dtype=jnp.float32, nu_dtype=jnp.float32, param_rounding=param_rounding
+  )
+  table0 = np.asarray(np.random.default_rng(0).standard_normal((ROWS, WIDTH)), np.float32)
+  rng = np.random.default_rng(4)
+  grads = []
+  for _ in range(3):
+    ids = rng.integers(0, ROWS, 10).astype(np.int32)
+    ids[:3] = ids[3]  # repeated rows
+    ids[-1] = -1  # padding
+    vals = jnp.asarray(rng.standard_normal((10, WIDTH)), jnp.float32)
+    grads.append({"t": sparse.BCOO((vals, jnp.asarray(ids)[:, None]), shape=(ROWS, WIDTH))})
+  runs = {}
+  for on in (True, False):
+    params = {"t": jnp.asarray(table0, dtype)}
+    state = opt.init(params)
+    step = jax.jit(train_step(opt), donate_argnums=(0, 1))
+    with kernels.use_cpu_kernels(on):
+      for grad in grads:
+        params, state = step(params, state, grad)
+    runs[on] = params["t"]
+  np.testing.assert_array_equal(_bits(runs[True]), _bits(runs[False]))
+  assert not np.array_equal(np.asarray(runs[True], np.float32), table0)
+
+  params = {"t": jnp.zeros((NUM_ROWS, DIM), dtype)}
+  hlo = _compile(opt, params, {"t": _grad((NUM_ROWS, DIM), 1, rng)}).as_text()
+  assert _table_copies(hlo) == []
+  kernel = "add_rounded_rows" if param_rounding == "stochastic" else "add_rows_in_place"
+  assert f"optax_sparse_adam_{kernel}" in hlo
+
+
+BF16_GRAD_OPTS = {
+  "adam": lambda: osa.sparse_adam(1e-2),
+  "adam_amsgrad_l2_maximize": lambda: osa.sparse_adam(
+    1e-2, amsgrad=True, weight_decay=0.01, maximize=True
+  ),
+  "rowwise_adam_bf16_stochastic": lambda: osa.sparse_adam(
+    1e-2, rowwise_second_moment=True, mu_dtype="bfloat16", moment_rounding="stochastic"
+  ),
+  "sgd_momentum": lambda: osa.sparse_sgd(0.1, momentum=0.9, lazy_momentum=True),
+  "rowwise_adagrad_max_norm": lambda: osa.sparse_rowwise_adagrad(0.1, max_norm=1.0),
+}
+
+
+# Adam's and SGD's kernels in the default tier; the other cells are slow.
+_BF16_GRAD_FAST = {("adam", "f32"), ("sgd_momentum", "bf16"), ("rowwise_adagrad_max_norm", "bf16")}
+
+
+@pytest.mark.parametrize(
+  "name, table_dtype",
+  [
+    pytest.param(
+      name,
+      dtype,
+      id=f"{name}-{label}",
+      marks=[] if (name, label) in _BF16_GRAD_FAST else [pytest.mark.slow],
+    )
+    for name in sorted(BF16_GRAD_OPTS)
+    for label, dtype in (("f32", jnp.float32), ("bf16", jnp.bfloat16))
+  ],
+)
+def test_a_bfloat16_gradient_takes_the_fused_kernel_in_xla_bits(name, table_dtype):
+  """The fused kernels sum a bf16 gradient's rows rounding every add, as XLA does: three
+  jitted, donated steps (repeated and padding rows, -0.0) equal the XLA ops' bits, and
+  the step runs the rule's fused kernel, not the generic coalescing (but for a kernel that
+  reads a 16-bit parameter)."""
+  opt = BF16_GRAD_OPTS[name]()
+  table0 = np.asarray(np.random.default_rng(0).standard_normal((ROWS, WIDTH)), np.float32)
+  rng = np.random.default_rng(5)
+  grads = []
+  for _ in range(3):
+    ids = rng.integers(0, ROWS, 10).astype(np.int32)
+    ids[:4] = ids[4]  # repeated rows: their bf16 sum is rounded at every add
+    ids[-1] = -1  # padding
+    vals = rng.standard_normal((10, WIDTH)).astype(np.float32) * 30
+    vals[0] = -0.0
+    vals = jnp.asarray(vals, jnp.bfloat16)
+    grads.append({"t": sparse.BCOO((vals, jnp.asarray(ids)[:, None]), shape=(ROWS, WIDTH))})
+  runs = {}
+  for on in (True, False):
+    params = {"t": jnp.asarray(table0, table_dtype)}
+    state = opt.init(params)
+    step = jax.jit(train_step(opt), donate_argnums=(0, 1))
+    with kernels.use_cpu_kernels(on):
+      if on:
+        hlo = step.lower(params, state, grads[0]).compile().as_text()
+        # The kernels read a float32 parameter only (weight decay, max_norm).
+        reads_param = name in ("adam_amsgrad_l2_maximize", "rowwise_adagrad_max_norm")
+        fused = table_dtype == jnp.float32 or not reads_param
+        assert ("optax_sparse_adam_coalesce_gather" not in hlo) == fused
+      for grad in grads:
+        params, state = step(params, state, grad)
+    runs[on] = (params, state)
+  for ours, theirs in zip(jax.tree.leaves(runs[True]), jax.tree.leaves(runs[False]), strict=True):
+    np.testing.assert_array_equal(_bits(ours), _bits(theirs))
