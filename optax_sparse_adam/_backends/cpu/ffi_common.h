@@ -364,12 +364,6 @@ OSA_MULTIVERSIONED_TEMPLATE void SumEntries(float* __restrict__ g, const T* __re
   for (; j < row_size; ++j) SumEntriesBlock<1>(g + j, values + j, position, begin, end, row_size);
 }
 
-// `out` = `x` (bfloat16 values held in float32) as bfloat16 bits: exact.
-OSA_MULTIVERSIONED void ToBf16Row(uint16_t* __restrict__ out, const float* __restrict__ x,
-                                  int64_t row_size) {
-  for (int64_t j = 0; j < row_size; ++j) out[j] = Bf16Bits<false>(x[j], 0);
-}
-
 // Prefetches the gradient rows `values[position[e]]` for e in [begin, end): a
 // distinct row's entries, read at random places of the gradient.
 template <typename T>

@@ -21,6 +21,12 @@
 
 namespace {
 
+// `out` = `x` (bfloat16 values held in float32) as bfloat16 bits: exact.
+OSA_MULTIVERSIONED void ToBf16Row(uint16_t* __restrict__ out, const float* __restrict__ x,
+                                  int64_t row_size) {
+  for (int64_t j = 0; j < row_size; ++j) out[j] = Bf16Bits<false>(x[j], 0);
+}
+
 struct GatheredTable {
   const char* rows;  // the table, `num_rows` rows of `row_bytes`
   char* out;         // `nse` rows of `row_bytes`
