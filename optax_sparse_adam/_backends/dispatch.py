@@ -154,7 +154,7 @@ def _kernel_then_rounded(inputs: StepInputs, plan: StepPlan) -> RowsStep:
       result.delta,
       keys,
       num_rows=plan.layout.num_rows,
-      stochastic=plan.config.param_rounding == "stochastic",
+      stochastic=True,  # this path serves param_rounding="stochastic" only
     )
     return result._replace(delta=new_rows)
   new_rows = xla.rounded_param_rows(

@@ -300,7 +300,6 @@ def scatter_add(
   rows_unique: bool,
   rows_sorted: bool,
   through_bits: bool = True,
-  store_rows: RowStore | None = None,
 ) -> jax.Array:
   """`param[rows] += values` in XLA ops; out-of-range (padding) rows are dropped.
 
@@ -311,9 +310,7 @@ def scatter_add(
   through `bcoo.set_rows`. That is XLA:CPU's arithmetic bit for bit; it is
   also the correctly rounded sum `param + value` of a row with one entry
   (float32 has more than twice bfloat16's significand bits plus two, so
-  rounding twice is rounding once). `store_rows(param, rows, sums)` (the
-  parameter in its own shape), where given, stores those rows instead of
-  `bcoo.set_rows`: the same bits (the CPU's in-place kernel).
+  rounding twice is rounding once).
   """
   param_rows = bcoo.as_rows(param, layout)
   values = values.astype(param_rows.dtype)
@@ -342,8 +339,6 @@ def scatter_add(
       .at[slot]
       .add(values.astype(wide), mode="drop")
     )
-  if store_rows is not None:
-    return store_rows(param, distinct, sums)
   stored = bcoo.set_rows(
     param_rows, distinct, sums, mode="drop", unique_indices=True, indices_are_sorted=rows_sorted
   )

@@ -472,6 +472,18 @@ ffi::Error WithValues(const ffi::AnyBuffer& values, Run run) {
   return ffi::Error::InvalidArgument("values must be float32 or bfloat16");
 }
 
+// The FFI binding of a kernel that writes rows into a table in place (`row_store.cc`,
+// `row_round.cc`'s apply): the rows (int32), their values and the table (any dtype), then
+// the attributes `num_rows` and `rows_unique`.
+inline auto RowsIntoTableBinding() {
+  return ffi::Ffi::Bind()
+      .Arg<ffi::Buffer<ffi::S32>>()
+      .Arg<ffi::AnyBuffer>()
+      .Arg<ffi::AnyBuffer>()
+      .Attr<int64_t>("num_rows")
+      .Attr<bool>("rows_unique");
+}
+
 // The table's number of rows, whether the step maximizes, whether bfloat16
 // slots round stochastically.
 template <typename Binding>

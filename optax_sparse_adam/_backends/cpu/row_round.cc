@@ -398,12 +398,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(OsaAddRoundedRows, AddRoundedRowsImpl,
                                   .Ret<ffi::AnyBuffer>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(OsaAddRowsInPlace, AddRowsInPlaceImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Attr<int64_t>("num_rows")
-                                  .Attr<bool>("rows_unique")
+                              RowsIntoTableBinding()
                                   .Attr<bool>("round_each_add")
                                   .Ctx<ffi::ThreadPool>()
                                   .Ret<ffi::AnyBuffer>());

@@ -49,11 +49,6 @@ ffi::Error StoreRowsImpl(ffi::Buffer<ffi::S32> rows, ffi::AnyBuffer values, ffi:
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(OsaStoreRows, StoreRowsImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Attr<int64_t>("num_rows")
-                                  .Attr<bool>("rows_unique")
+                              RowsIntoTableBinding()
                                   .Ctx<ffi::ThreadPool>()
                                   .Ret<ffi::AnyBuffer>());
