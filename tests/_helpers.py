@@ -140,6 +140,25 @@ class NumpySparseAdam:
     self.param[touched] = self.param[touched] + (-t(step_size)) * (m_new / denom)
 
 
+def padded_grad(ids, values, shape, nse: int):
+  """A BCOO gradient of `(ids, values)` padded to `nse` entries with out-of-range rows.
+
+  Padding entries (row `shape[0]`, zero values) are what BCOO itself produces, and every
+  path skips them; a fixed `nse` gives every step of a run one shape, so a jitted step is
+  compiled once per run rather than once per distinct number of ids (the suite's time).
+  """
+  from jax.experimental import sparse
+
+  ids = np.asarray(ids, np.int32).reshape(-1)
+  values = np.asarray(values)
+  if len(ids) > nse:
+    raise ValueError(f"{len(ids)} ids do not fit in nse={nse}")
+  pad = nse - len(ids)
+  ids = np.concatenate([ids, np.full(pad, shape[0], np.int32)])
+  values = np.concatenate([values, np.zeros((pad, *values.shape[1:]), values.dtype)])
+  return sparse.BCOO((jnp.asarray(values), jnp.asarray(ids)[:, None]), shape=tuple(shape))
+
+
 def train_step(opt: optax.GradientTransformation):
   """`step(params, state, grads) -> (params, state)` for `opt`; jit and donate it as needed."""
 

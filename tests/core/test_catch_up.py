@@ -26,7 +26,7 @@ from jax.experimental import sparse
 
 import optax_sparse_adam as osa
 from optax_sparse_adam._backends import choice
-from tests._helpers import tiered
+from tests._helpers import padded_grad, tiered
 
 F64 = np.float64
 PATHS = {
@@ -35,6 +35,13 @@ PATHS = {
   "accelerator": {"forced": choice.ACCELERATOR},
 }
 VOCAB, DIM = 8, 3
+# Entries per gradient: every row and the duplicate at most, padded to one shape
+# so that a run's jitted step compiles once.
+NSE = VOCAB + 1
+
+
+def bcoo(ids: np.ndarray, values: np.ndarray, nse: int = NSE) -> sparse.BCOO:
+  return padded_grad(ids, values, (VOCAB, DIM), nse)
 
 
 def touch_pattern(steps: int) -> list[list[int]]:
@@ -180,7 +187,7 @@ def run(
 
   with choice.choose(**PATHS[path]):
     for t, (ids, values) in enumerate(grads, 1):
-      grad = sparse.BCOO((jnp.asarray(values), jnp.asarray(ids)[:, None]), shape=(VOCAB, DIM))
+      grad = bcoo(ids, values)
       params, state = train_step(grad, state, params)
       ref.step(densify(ids, values))
       snapshots[t] = {"m": ref.m.copy(), "v": ref.v.copy(), "vmax": ref.vmax.copy()}
@@ -280,7 +287,7 @@ def test_lazy_differs_where_catch_up_agrees():
   state = opt.init(params)
   ref = DenseAdam(np.zeros((VOCAB, DIM)), lr=0.05, b1=0.9, b2=0.999, eps=1e-8)
   for ids, values in sparse_grads(pattern, 0):
-    grad = sparse.BCOO((jnp.asarray(values), jnp.asarray(ids)[:, None]), shape=(VOCAB, DIM))
+    grad = bcoo(ids, values)
     _, state = opt.update(grad, state)
     ref.step(densify(ids, values))
   with pytest.raises(AssertionError):
@@ -453,7 +460,7 @@ def test_catch_up_rows_reads_rows_as_dense_adam_has_them():
   in_step = (params, opt.init(params))
   before = (params, opt.init(params))
   for ids, values in sparse_grads(pattern, 0):
-    grad = sparse.BCOO((jnp.asarray(values), jnp.asarray(ids)[:, None]), shape=(VOCAB, DIM))
+    grad = bcoo(ids, values)
     p, s = before
     p, s = osa.catch_up_rows(opt, p, s, jnp.concatenate([jnp.asarray(ids), jnp.array([-1, 99])]))
     # The rows of the batch are up to date; the others are not touched.
@@ -466,11 +473,11 @@ def test_catch_up_rows_reads_rows_as_dense_adam_has_them():
     np.testing.assert_allclose(np.asarray(a, F64), np.asarray(b, F64), rtol=2e-6, atol=2e-7)
 
 
-def _steps(opt, params, grads, *, mesh=None):
+def _steps(opt, params, grads, *, nse=NSE):
   state = opt.init(params)
   step = jax.jit(lambda p, s, g: (lambda u, s: (osa.apply_updates(p, u), s))(*opt.update(g, s, p)))
   for ids, values in grads:
-    grad = sparse.BCOO((jnp.asarray(values), jnp.asarray(ids)[:, None]), shape=(VOCAB, DIM))
+    grad = bcoo(ids, values, nse)
     params, state = step(params, state, grad)
   return params, state
 
@@ -493,13 +500,13 @@ def test_inside_sparse_multi_steps():
   """Every second mini-step steps the inner catch-up optimizer with the mean gradient."""
   grads = sparse_grads(touch_pattern(12), 2)
   inner = osa.sparse_adam(0.05, catch_up_idle_rows=True)
-  multi = osa.sparse_multi_steps(inner, every_k=2, max_nse=8)
+  multi = osa.sparse_multi_steps(inner, every_k=2, max_nse=NSE)
   params = jnp.ones((VOCAB, DIM))
   got, state = _steps(multi, params, grads)
   merged = []
   for (ids_a, values_a), (ids_b, values_b) in zip(grads[::2], grads[1::2], strict=True):
     merged.append((np.concatenate([ids_a, ids_b]), np.concatenate([values_a, values_b]) / 2))
-  want, want_state = _steps(inner, params, merged)
+  want, want_state = _steps(inner, params, merged, nse=2 * NSE)
   np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
   np.testing.assert_array_equal(state.inner_opt_state.row_last_step, want_state.row_last_step)
 
