@@ -17,7 +17,7 @@ from jax.experimental import sparse
 import optax_sparse_adam as osa
 from optax_sparse_adam._backends.cpu import kernels
 from optax_sparse_adam._core import coalesce
-from tests._helpers import NumpySparseAdam, cpu_only, train_step
+from tests._helpers import NumpySparseAdam, cpu_only, tiered, train_step
 
 # The generic XLA path's coalescing; each row's sum in input order, as XLA:CPU adds.
 pytestmark = cpu_only("bit-for-bit equality with NumPy's input-order float32 sums")
@@ -155,9 +155,20 @@ PATHS = {
 }
 
 
-@pytest.mark.parametrize("use_jit", [False, True], ids=["eager", "jit"])
-@pytest.mark.parametrize("path", list(PATHS))
-def test_sparse_adam_matches_reference_on_each_path(use_jit, path):
+# Every path jitted; eagerly (op by op) the kernels' and one marking path in the default
+# tier, the other two in the slow one.
+EAGER_SLOW = ("f32_marking", "bf16_moments_search")
+
+
+@pytest.mark.parametrize(
+  "path, use_jit",
+  tiered(
+    [(path, use_jit) for path in PATHS for use_jit in (False, True)],
+    lambda case: not case[1] and case[0] in EAGER_SLOW,
+  ),
+  ids=[f"{path}-{'jit' if j else 'eager'}" for path in PATHS for j in (False, True)],
+)
+def test_sparse_adam_matches_reference_on_each_path(path, use_jit):
   dtype, moments, nse, cpu_kernels = PATHS[path]
   rng = np.random.default_rng(7)
   num_rows, dim, steps = 40, 3, 6
