@@ -113,8 +113,7 @@ def _bind(inputs: StepInputs, plan: StepPlan) -> _Bound:
       return runs(_kernel_then_rounded if rounds else kernels.in_values_dtype)
     if kernels.generic_step_applies(inputs, plan):
       # Any rule: the rows coalesced and gathered by the generic kernel, the rule's math in
-      # XLA ops on the distinct rows (a prefix of the block that holds them), its tables'
-      # rows stored in place by the generic kernel.
+      # XLA ops, its tables' rows stored in place by the generic kernel.
       return runs(
         functools.partial(
           xla.masked_step,
@@ -122,7 +121,6 @@ def _bind(inputs: StepInputs, plan: StepPlan) -> _Bound:
           if kernels.gathers(inputs.values)
           else coalesce.coalesce_and_gather_rows_unmarked,
           store_rows=_kernel_store(plan.layout),
-          distinct_prefix=True,
         )
       )
     return None

@@ -8,12 +8,11 @@ scattered back in place.
 
 import math
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import optax
-from jax import lax
 
 from optax_sparse_adam._core import bcoo, coalesce, rounding
 from optax_sparse_adam._core.row_rules.adam import rounded, rounded_if_narrow
@@ -41,7 +40,6 @@ def masked_step(
   coalescer: coalesce.Coalescer | None = None,
   through_bits: bool = True,
   store_rows: RowStore | None = None,
-  distinct_prefix: bool = False,
 ) -> RowsStep:
   """One parameter's masked step in XLA ops (a `protocol.StepBackend`).
 
@@ -56,8 +54,6 @@ def masked_step(
     store_rows: how the slots' new rows are stored, `store_rows(table, rows,
       values) -> table` (the table in its own shape; a set of the same bits as
       `bcoo.scatter_rows`, e.g. the CPU's in-place kernel), or None: XLA's scatter.
-    distinct_prefix: run the math on the distinct rows only (`_on_distinct_prefix`:
-      a prefix of the block that holds them, chosen at run time), the same bits.
 
   Returns:
     The `RowsStep`: distinct rows, their deltas, the new tables.
@@ -97,129 +93,24 @@ def masked_step(
   # Every slot table given is an array, so every gathered row block and table is one.
   old_rows = [_present(rows) for rows in gathered[: len(slots)]]
   slot_tables = [_present(table) for table in scattered_into]
-
-  def rows_math(block: _Block) -> _BlockResult:
-    """The step's math on a block of the coalesced rows (every row, or a prefix of them)."""
-    rows = block.rows
-    g = block.values.astype(compute_dtype)
-    if config.maximize:
-      g = -g
-    param_rows = None
-    if needs_param:
-      param_rows = _present(block.param).astype(compute_dtype)
-      if config.weight_decay == "l2":
-        # Both terms are rounded where they stand (`rounded`), as the CPU kernels (built
-        # without contraction) and op-by-op steps compute them: under jit XLA would
-        # otherwise fuse the product and the sum into one FMA, and start the sum of
-        # the gradient's entries from the decay instead of adding it last.
-        wd = jnp.asarray(inputs.hyper.weight_decay, compute_dtype)
-        g = rounded(g, inputs.opaque_zero) + rounded(wd * param_rows, inputs.opaque_zero)
-
-    old_param_rows = param_rows  # as gathered (catch-up may shift param_rows)
-    step = inputs.step
-    new_row_steps = None
-    if block.row_step is not None:
-      new_row_steps = optax.safe_increment(block.row_step)
-      step = jnp.maximum(new_row_steps, 1)
-      step = step.reshape(step.shape + (1,) * len(layout.dense_shape))
-
-    slot_rows = {slot.name: old for slot, old in zip(slots, block.slot_rows, strict=True)}
-    shift = None
-    shifted_param = False  # whether param_rows holds the idle steps' shift
-    new_last_steps = None
-    if block.last_step is not None:
-      # Catch-up: the rows' idle steps first, as the rule's dense form would have taken them.
-      assert inputs.step is not None  # the optax layer gives a step with catch-up
-      closed_form = catch_up_of(rule, config).rows
-      assert closed_form is not None  # the optax layer keeps no last steps otherwise
-      last_rows = block.last_step
-      last = last_rows.reshape(last_rows.shape + (1,) * len(layout.dense_shape))
-      idle = jnp.maximum(inputs.step - 1 - last, 0)
-      caught = closed_form(IdleBlock(slot_rows, idle, last, compute_dtype), inputs.hyper)
-      slot_rows, shift = caught.slot_rows, caught.shift
-      # The caught-up slots are read back by the rule below.
-      slot_rows = {name: rounded_if_narrow(x, inputs.opaque_zero) for name, x in slot_rows.items()}
-      if caught.decay_minus_one is not None:
-        assert param_rows is not None
-        shift = shift + caught.decay_minus_one * param_rows
-        param_rows = param_rows + shift
-        shifted_param = True
-      new_last_steps = jnp.maximum(last_rows, inputs.step)
-
-    store = rounding.slot_store(
-      config.moment_rounding,
-      slot_names=tuple(slot.name for slot in slots),
-      dtypes={slot.name: tables.slots[slot.name].dtype for slot in slots},
-      step=inputs.step,
-      rows=rows,
-      row_offset=inputs.row_offset,
-    )
-
-    # A rule that reads the parameter sees its rows as the idle steps left them.
-    read_rows = None
-    if reads:
-      assert param_rows is not None
-      read_rows = param_rows if shift is None or shifted_param else param_rows + shift
-    delta, new_rows = rule.update(
-      RowBlock(g, slot_rows, step, compute_dtype, inputs.opaque_zero, store, read_rows),
-      inputs.hyper,
-    )
-    check_slot_rows(rule, new_rows)
-    decoupled = None
-    if config.weight_decay == "decoupled":
-      assert param_rows is not None
-      lr_wd = jnp.asarray(inputs.hyper.learning_rate, compute_dtype) * jnp.asarray(
-        inputs.hyper.weight_decay, compute_dtype
-      )
-      decoupled = rounded(lr_wd * param_rows, inputs.opaque_zero)
-    valid = rows < layout.num_rows
-    valid = valid.reshape(valid.shape + (1,) * len(layout.dense_shape))
-    if sets:
-      # The rule gave the rows' new values (which the idle steps' shift is in): the
-      # options act on them, and they are rounded once, to the parameter's dtype.
-      assert tables.param is not None
-      new = delta.astype(compute_dtype)
-      if decoupled is not None:
-        new = new - decoupled
-      if config.max_norm is not None:
-        new = _renormalised_rows(new, config.max_norm, inputs.opaque_zero)
-      store_param = rounding.param_store(
-        config.param_rounding,
-        dtype=tables.param.dtype,
-        step=inputs.step,
-        rows=rows,
-        row_offset=inputs.row_offset,
-      )
-      delta = jnp.where(valid, store_param(new), jnp.zeros((), tables.param.dtype))
-    else:
-      if decoupled is not None:
-        delta = delta - decoupled
-      if shift is not None:
-        delta = delta + shift
-      if config.max_norm is not None:
-        assert param_rows is not None
-        delta = _renormalised(param_rows, delta, config.max_norm, inputs.opaque_zero)
-      if rounds:
-        assert old_param_rows is not None
-        delta = rounded_param_rows(inputs, plan, rows, old_param_rows, delta)
-      else:
-        delta = jnp.where(valid, delta, jnp.zeros((), delta.dtype)).astype(inputs.values.dtype)
-    new_slot_rows = [new_rows[slot.name] for slot in slots]
-    return _BlockResult(delta, new_slot_rows, new_row_steps, new_last_steps)
-
   rows = coalesced.rows
-  block = _Block(
-    rows,
-    coalesced.values,
-    old_rows,
-    gathered_param if needs_param else None,
-    None if tables.row_step is None else _present(gathered_row_step),
-    None if tables.last_step is None else _present(gathered_last_step),
-  )
-  if distinct_prefix:
-    result = _on_distinct_prefix(rows_math, block, layout.num_rows)
-  else:
-    result = rows_math(block)
+  g = coalesced.values.astype(compute_dtype)
+  if config.maximize:
+    g = -g
+  param_rows = None
+  if needs_param:
+    param_rows = _present(gathered_param).astype(compute_dtype)
+    if config.weight_decay == "l2":
+      # Both terms are rounded where they stand (`rounded`), as the CPU kernels (built
+      # without contraction) and op-by-op steps compute them: under jit XLA would
+      # otherwise fuse the product and the sum into one FMA, and start the sum of
+      # the gradient's entries from the decay instead of adding it last.
+      wd = jnp.asarray(inputs.hyper.weight_decay, compute_dtype)
+      g = rounded(g, inputs.opaque_zero) + rounded(wd * param_rows, inputs.opaque_zero)
+
+  old_param_rows = param_rows  # as gathered (catch-up may shift param_rows)
+  step = inputs.step
+  row_step = tables.row_step
 
   def put(table_rows: jax.Array, values: jax.Array, shape: tuple[int, ...]) -> jax.Array:
     """`table[rows] = values`, the table given as rows, returned in `shape`."""
@@ -227,96 +118,102 @@ def masked_step(
       return store_rows(table_rows.reshape(shape), rows, values)
     return bcoo.scatter_rows(table_rows, rows, values, through_bits=through_bits).reshape(shape)
 
-  row_step = tables.row_step
   if row_step is not None:
-    assert result.row_steps is not None
-    row_step = put(row_step, result.row_steps, row_step.shape)
+    new_row_steps = optax.safe_increment(_present(gathered_row_step))
+    step = jnp.maximum(new_row_steps, 1)
+    step = step.reshape(step.shape + (1,) * len(layout.dense_shape))
+    row_step = put(row_step, new_row_steps, row_step.shape)
+
+  slot_rows = {slot.name: old for slot, old in zip(slots, old_rows, strict=True)}
   last_step = tables.last_step
+  shift = None
+  shifted_param = False  # whether param_rows holds the idle steps' shift
   if last_step is not None:
+    # Catch-up: the rows' idle steps first, as the rule's dense form would have taken them.
+    assert inputs.step is not None  # the optax layer gives a step with catch-up
+    closed_form = catch_up_of(rule, config).rows
+    assert closed_form is not None  # the optax layer keeps no last steps otherwise
+    last_rows = _present(gathered_last_step)
+    last = last_rows.reshape(last_rows.shape + (1,) * len(layout.dense_shape))
+    idle = jnp.maximum(inputs.step - 1 - last, 0)
+    caught = closed_form(IdleBlock(slot_rows, idle, last, compute_dtype), inputs.hyper)
+    slot_rows, shift = caught.slot_rows, caught.shift
+    # The caught-up slots are read back by the rule below.
+    slot_rows = {name: rounded_if_narrow(x, inputs.opaque_zero) for name, x in slot_rows.items()}
+    if caught.decay_minus_one is not None:
+      assert param_rows is not None
+      shift = shift + caught.decay_minus_one * param_rows
+      param_rows = param_rows + shift
+      shifted_param = True
     # The step, as a function of the gathered rows (each row's last step is below
     # it): the scatter then follows the gather, and XLA updates the table in place
     # instead of copying it.
-    assert result.last_steps is not None
-    last_step = put(last_step, result.last_steps, last_step.shape)
+    last_step = put(last_step, jnp.maximum(last_rows, inputs.step), last_step.shape)
+
+  store = rounding.slot_store(
+    config.moment_rounding,
+    slot_names=tuple(slot.name for slot in slots),
+    dtypes={slot.name: tables.slots[slot.name].dtype for slot in slots},
+    step=inputs.step,
+    rows=rows,
+    row_offset=inputs.row_offset,
+  )
+
+  # A rule that reads the parameter sees its rows as the idle steps left them.
+  read_rows = None
+  if reads:
+    assert param_rows is not None
+    read_rows = param_rows if shift is None or shifted_param else param_rows + shift
+  delta, new_rows = rule.update(
+    RowBlock(g, slot_rows, step, compute_dtype, inputs.opaque_zero, store, read_rows),
+    inputs.hyper,
+  )
+  check_slot_rows(rule, new_rows)
+  decoupled = None
+  if config.weight_decay == "decoupled":
+    assert param_rows is not None
+    lr_wd = jnp.asarray(inputs.hyper.learning_rate, compute_dtype) * jnp.asarray(
+      inputs.hyper.weight_decay, compute_dtype
+    )
+    decoupled = rounded(lr_wd * param_rows, inputs.opaque_zero)
+  valid = rows < layout.num_rows
+  valid = valid.reshape(valid.shape + (1,) * len(layout.dense_shape))
+  if sets:
+    # The rule gave the rows' new values (which the idle steps' shift is in): the
+    # options act on them, and they are rounded once, to the parameter's dtype.
+    assert tables.param is not None
+    new = delta.astype(compute_dtype)
+    if decoupled is not None:
+      new = new - decoupled
+    if config.max_norm is not None:
+      new = _renormalised_rows(new, config.max_norm, inputs.opaque_zero)
+    store_param = rounding.param_store(
+      config.param_rounding,
+      dtype=tables.param.dtype,
+      step=inputs.step,
+      rows=rows,
+      row_offset=inputs.row_offset,
+    )
+    delta = jnp.where(valid, store_param(new), jnp.zeros((), tables.param.dtype))
+  else:
+    if decoupled is not None:
+      delta = delta - decoupled
+    if shift is not None:
+      delta = delta + shift
+    if config.max_norm is not None:
+      assert param_rows is not None
+      delta = _renormalised(param_rows, delta, config.max_norm, inputs.opaque_zero)
+    if rounds:
+      assert old_param_rows is not None
+      delta = rounded_param_rows(inputs, plan, rows, old_param_rows, delta)
+    else:
+      delta = jnp.where(valid, delta, jnp.zeros((), delta.dtype)).astype(inputs.values.dtype)
+
   new_slots = {
-    slot.name: put(table, new, tables.slots[slot.name].shape)
-    for slot, table, new in zip(slots, slot_tables, result.slot_rows, strict=True)
+    slot.name: put(table, new_rows[slot.name], tables.slots[slot.name].shape)
+    for slot, table in zip(slots, slot_tables, strict=True)
   }
-  return RowsStep(rows, result.delta, Tables(new_slots, row_step, last_step=last_step))
-
-
-class _Block(NamedTuple):
-  """Rows of a step, coalesced, and what was gathered at them (a prefix: the first rows)."""
-
-  rows: jax.Array
-  values: jax.Array
-  slot_rows: list[jax.Array]
-  param: jax.Array | None
-  row_step: jax.Array | None
-  last_step: jax.Array | None
-
-
-class _BlockResult(NamedTuple):
-  """The step's rows of a `_Block`: deltas (or set rows), new slot rows, row and last steps."""
-
-  delta: jax.Array
-  slot_rows: list[jax.Array]
-  row_steps: jax.Array | None
-  last_steps: jax.Array | None
-
-
-# `_on_distinct_prefix` runs the math on a prefix of these fractions of the block (then on
-# all of it), from blocks of this many rows.
-_PREFIX_FRACTIONS = (4, 2)
-_MIN_PREFIX_ROWS = 1024
-
-
-def prefix_sizes(nse: int) -> tuple[int, ...]:
-  """The prefix sizes `_on_distinct_prefix` chooses from for a block of `nse` rows."""
-  if nse < _MIN_PREFIX_ROWS:
-    return (nse,)
-  return (*(nse // f for f in _PREFIX_FRACTIONS), nse)
-
-
-def _on_distinct_prefix(
-  rows_math: Callable[[_Block], _BlockResult], block: _Block, num_rows: int
-) -> _BlockResult:
-  """`rows_math(block)`, its math run on the block's first rows only: the distinct rows.
-
-  The coalesced rows are the distinct rows, then padding (out of range): the math runs
-  on the smallest prefix in `prefix_sizes` that holds every distinct row (`lax.switch`),
-  and its results are written into the first rows of full-size blocks whose other rows
-  are padding (zero where a result must be: the deltas). The math is per row, so each
-  row's bits are those of the whole block's; padding rows are never stored.
-  """
-  sizes = prefix_sizes(block.rows.shape[0])
-  if len(sizes) == 1:
-    return rows_math(block)
-  full = jax.eval_shape(rows_math, block)
-  # Full-size blocks to write the prefix's results into: a gathered block of the same
-  # shape and dtype (zero at padding rows, as gathered), else zeros.
-  candidates = [x for x in jax.tree.leaves(block)[1:]]
-
-  def base(shape: jax.ShapeDtypeStruct) -> jax.Array:
-    for x in candidates:
-      if x.shape == shape.shape and x.dtype == shape.dtype:
-        return x
-    return jnp.zeros(shape.shape, shape.dtype)
-
-  bases = jax.tree.map(base, full)
-  num_distinct = jnp.sum(block.rows < num_rows, dtype=jnp.int32)
-  index = sum((num_distinct > s).astype(jnp.int32) for s in sizes[:-1])
-
-  def on_prefix(size: int) -> Callable[[_Block, _BlockResult], _BlockResult]:
-    def run(block: _Block, bases: _BlockResult) -> _BlockResult:
-      if size == block.rows.shape[0]:
-        return rows_math(block)
-      out = rows_math(jax.tree.map(lambda x: x[:size], block))
-      return jax.tree.map(lambda b, o: lax.dynamic_update_slice_in_dim(b, o, 0, axis=0), bases, out)
-
-    return run
-
-  return lax.switch(index, [on_prefix(size) for size in sizes], block, bases)
+  return RowsStep(rows, delta, Tables(new_slots, row_step, last_step=last_step))
 
 
 def rounded_param_rows(

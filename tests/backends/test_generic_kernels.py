@@ -20,7 +20,7 @@ from jax.experimental import sparse
 
 import optax_sparse_adam as osa
 from benchmarks._user_rule import UserHyper, UserRowwiseAdagrad
-from optax_sparse_adam._backends import choice, xla
+from optax_sparse_adam._backends import choice
 from optax_sparse_adam._backends.cpu import kernels
 from optax_sparse_adam._core import coalesce
 from tests._helpers import BACKEND, train_step
@@ -153,89 +153,3 @@ def test_the_compiled_generic_step_runs_the_kernels_with_no_table_copy(name):
   assert "optax_sparse_adam_coalesce_gather" in hlo
   assert "optax_sparse_adam_store_rows" in hlo
   assert " gather(" not in hlo and " scatter(" not in hlo  # no XLA gather or scatter is left
-
-
-# The math on the distinct rows only (`xla._on_distinct_prefix`): blocks of 1,024 entries
-# (prefixes of 256, 512 and 1,024 rows), one batch for each prefix.
-PREFIX_NSE, PREFIX_ROWS, PREFIX_WIDTH = 1024, 3000, 3
-
-
-def _prefix_batches(rng):
-  """One batch whose distinct rows fit each prefix: few rows, about half, all distinct."""
-  batches = []
-  for ids in (
-    rng.integers(0, 200, PREFIX_NSE),  # at most 200 distinct rows: the 256-row prefix
-    rng.integers(0, 700, PREFIX_NSE),  # about 540: the whole block (over 512)
-    rng.integers(0, 560, PREFIX_NSE),  # about 450: the 512-row prefix
-  ):
-    ids = ids.astype(np.int32)
-    ids[-2:] = -1  # padding
-    values = rng.standard_normal((PREFIX_NSE, PREFIX_WIDTH)).astype(np.float32)
-    batches.append((ids, values))
-  distinct = [len(np.unique(ids[ids >= 0])) for ids, _ in batches]
-  sizes = xla.prefix_sizes(PREFIX_NSE)
-  assert sorted(next(k for k, s in enumerate(sizes) if n <= s) for n in distinct) == [0, 1, 2]
-  return batches
-
-
-_PREFIX_FAST = {"ftrl", "adamw_per_row"}
-
-
-@pytest.mark.parametrize(
-  "name",
-  [
-    pytest.param(n, marks=[] if n in _PREFIX_FAST else [pytest.mark.slow], id=n)
-    for n in ("ftrl", "adamw_per_row", "adam_catch_up", "user_rule", "rowwise_adagrad_max_norm")
-  ],
-)
-def test_the_generic_math_on_the_distinct_rows_only_equals_the_xla_ops(name):
-  """The generic path runs the rule's math on a prefix of the block that holds the distinct
-  rows (`lax.switch` over 256, 512 or 1,024 rows): three jitted, donated steps, one per
-  prefix, equal the XLA ops' bits (set rows, per-row steps, catch-up, a user's rule)."""
-  opt = OPTS[name]()
-  rng = np.random.default_rng(7)
-  table0 = rng.standard_normal((PREFIX_ROWS, PREFIX_WIDTH)).astype(np.float32)
-  batches = _prefix_batches(rng)
-  runs = {}
-  for path in (choice.GENERIC_KERNELS, choice.GENERIC_XLA):
-    params = {"t": jnp.asarray(table0)}
-    state = opt.init(params)
-    step = jax.jit(train_step(opt), donate_argnums=(0, 1))
-    with choice.choose(forced=path):
-      for k, (ids, vals) in enumerate(batches):
-        grad = sparse.BCOO(
-          (jnp.asarray(vals), jnp.asarray(ids)[:, None]), shape=(PREFIX_ROWS, PREFIX_WIDTH)
-        )
-        if k == 0 and path == choice.GENERIC_KERNELS:
-          hlo = step.lower(params, state, {"t": grad}).compile().as_text()
-          assert "conditional(" in hlo  # the prefixes' branches
-        params, state = step(params, state, {"t": grad})
-    runs[path] = (params, state)
-  generic, reference = runs[choice.GENERIC_KERNELS], runs[choice.GENERIC_XLA]
-  for leaf, xla_leaf in zip(jax.tree.leaves(generic), jax.tree.leaves(reference), strict=True):
-    np.testing.assert_array_equal(_bits(leaf), _bits(xla_leaf))
-  assert not np.array_equal(np.asarray(generic[0]["t"]), table0)
-
-
-def test_the_generic_math_on_the_distinct_rows_only_under_vmap():
-  """Under `jax.vmap` (two models, one with few distinct rows, one with many: the prefix
-  index is batched, so the branches run as a select) the generic path's FTRL step equals
-  each model's own step on the XLA ops, bit for bit."""
-  opt = OPTS["ftrl"]()
-  rng = np.random.default_rng(8)
-  batches = _prefix_batches(rng)[:2]
-  tables = jnp.asarray(rng.standard_normal((2, PREFIX_ROWS, PREFIX_WIDTH)), jnp.float32)
-  ids = jnp.asarray(np.stack([i for i, _ in batches]))[..., None]
-  vals = jnp.asarray(np.stack([v for _, v in batches]))
-
-  def one(table, ids, vals):
-    grad = sparse.BCOO((vals, ids), shape=(PREFIX_ROWS, PREFIX_WIDTH))
-    return train_step(opt)({"t": table}, opt.init({"t": table}), {"t": grad})
-
-  with choice.choose(forced=choice.GENERIC_KERNELS):
-    got = jax.jit(jax.vmap(one))(tables, ids, vals)
-  for k in range(2):
-    with choice.choose(forced=choice.GENERIC_XLA):
-      want = jax.jit(one)(tables[k], ids[k], vals[k])
-    for leaf, xla_leaf in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
-      np.testing.assert_array_equal(_bits(leaf[k]), _bits(xla_leaf))
