@@ -267,8 +267,8 @@ def test_a_float16_gradient_on_a_float16_table_runs_the_kernels_in_xla_bits(
   name, param_rounding, use_jit
 ):
   """The kernels sum a float16 gradient's rows rounding every add to float16, as XLA's
-  scatter-add does: Adam's (float32 moments) and SGD's fused kernels (FTRL: the generic
-  coalescing) on a
+  scatter-add does: Adam's fused kernel (float32 moments; SGD and FTRL: the generic
+  coalescing kernel) on a
   float16 table, to nearest and stochastically; two steps (repeated and padding rows, -0.0,
   subnormals) equal the XLA ops' bits, jitted (donated) and eagerly, and the jitted step
   runs the rule's kernel (no XLA coalescing)."""
@@ -285,7 +285,7 @@ def test_a_float16_gradient_on_a_float16_table_runs_the_kernels_in_xla_bits(
     with kernels.use_cpu_kernels(on):
       if on and use_jit:
         hlo = step.lower(params, state, grads[0]).compile().as_text()
-        fused = name != "ftrl"
+        fused = name == "adam"  # SGD (no slot) and FTRL: the generic coalescing
         assert ("optax_sparse_adam_coalesce_gather" in hlo) == (not fused)
         assert "custom-call" in hlo and " sort(" not in hlo
       for grad in grads:

@@ -325,7 +325,7 @@ def _rule_step_applies(inputs: StepInputs, plan: StepPlan) -> bool:
 _VARIANTS: dict[str, KernelVariant] = {
   "adam": KernelVariant(_adam_applies, moment_steps.adam_step),
   "rowwise_adam": KernelVariant(_rowwise_adam_applies, moment_steps.rowwise_adam_step),
-  # SGD, Adagrad, row-wise Adagrad: one kernel (rule_steps).
+  # SGD with momentum, Adagrad, row-wise Adagrad: one kernel (rule_steps; plain SGD: none).
   **{
     name: KernelVariant(_rule_step_applies, rule_steps.masked_step, max_norm=True)
     for name in rule_steps.RULES
