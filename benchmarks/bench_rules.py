@@ -4,15 +4,15 @@ Times one training-step update of an embedding table of V rows of D float32
 values from a gradient with B ids, Zipf-drawn (popular rows repeat) and uniform:
 
 - each optax transformation's `update` + `apply_updates` in one `jax.jit` step,
-  params and state donated. The rules with a hand-fused CPU kernel (`sparse_sgd`,
+  params and state donated. The rules with a hand-fused CPU kernel (`sparse_sgd`
   with lazy momentum, `sparse_adagrad`, `sparse_rowwise_adagrad` with decoupled
   weight decay and `max_norm`, `sparse_adam` and its options) are timed with it
   and with the generic kernels every rule runs (the rows coalesced and gathered,
   the rule's math as XLA ops, the rows stored in place): a fused kernel earns its
   code only where it beats the generic kernels;
-- `sparse_ftrl` and a rule defined here, outside the package (the architecture
-  page's row-wise Adagrad), which have no kernel of their own: the generic
-  kernels, and the XLA ops for reference;
+- plain `sparse_sgd`, `sparse_ftrl` and a rule defined here, outside the package
+  (the architecture page's row-wise Adagrad), which have no kernel of their own:
+  the generic kernels, and the XLA ops for reference;
 - `sparse_adam` and `sparse_ftrl` on bfloat16 and float16 tables (the gradient
   in the table's dtype), beside the float32 table in the same run;
 - `sparse_adam` (float32 moments) and `sparse_rowwise_adagrad` on 16-bit tables
@@ -47,6 +47,7 @@ from optax_sparse_adam._backends import choice
 
 # Rules with no fused kernel: the generic kernels on the CPU (and, for reference, the XLA ops).
 NO_KERNEL = [
+  ("sparse_sgd", osa.sparse_sgd(1e-3)),  # its fused kernel was deleted: within 10%
   ("sparse_ftrl", osa.sparse_ftrl(1e-2)),
   (
     "sparse_ftrl l1, l2",
@@ -116,7 +117,6 @@ class _TableStepper(_PathStepper):
 # The rules with a hand-fused kernel, each with the options a recipe sets (timed with that
 # kernel and with the generic kernels).
 RULES = [
-  ("sparse_sgd", osa.sparse_sgd(1e-3)),
   ("sparse_sgd lazy momentum", osa.sparse_sgd(1e-3, momentum=0.9, lazy_momentum=True)),
   ("sparse_adagrad", osa.sparse_adagrad(1e-2)),
   ("sparse_rowwise_adagrad", osa.sparse_rowwise_adagrad(1e-2)),

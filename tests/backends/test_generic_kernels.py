@@ -113,10 +113,11 @@ def _coalesce_cases(values_dtype):
   return jnp.asarray(rows), jnp.asarray(values, values_dtype), tables
 
 
-@pytest.mark.parametrize("values_dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("values_dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
 @pytest.mark.parametrize("use_jit", [False, True], ids=["eager", "jit"])
 def test_coalescing_and_gathering_equals_the_xla_ops(use_jit, values_dtype):
-  # Every add is rounded to the values' dtype (bfloat16 sums round after each add, as XLA's).
+  # Every add is rounded to the values' dtype (16-bit sums round after each add, as XLA's;
+  # float16's with F16C's conversions for 16 values, then the portable ones for the tail).
   rows, values, tables = _coalesce_cases(values_dtype)
 
   def run(coalescer):

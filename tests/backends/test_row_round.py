@@ -18,7 +18,7 @@ import optax_sparse_adam as osa
 from optax_sparse_adam._backends import xla
 from optax_sparse_adam._backends.cpu import kernels, row_round
 from optax_sparse_adam._core import bcoo, rounding
-from tests._helpers import BACKEND, train_step
+from tests._helpers import BACKEND, tiered, train_step
 from tests.backends.test_memory import DIM, NUM_ROWS, _compile, _grad, _table_copies
 from tests.backends.test_row_store import _bits
 
@@ -219,3 +219,78 @@ def test_a_bfloat16_gradient_takes_the_fused_kernel_in_xla_bits(name, table_dtyp
     runs[on] = (params, state)
   for ours, theirs in zip(jax.tree.leaves(runs[True]), jax.tree.leaves(runs[False]), strict=True):
     np.testing.assert_array_equal(_bits(ours), _bits(theirs))
+
+
+F16_GRAD_OPTS = {
+  "adam": lambda rounding: osa.sparse_adam(
+    1e-2, mu_dtype=jnp.float32, nu_dtype=jnp.float32, param_rounding=rounding
+  ),
+  "sgd": lambda rounding: osa.sparse_sgd(0.1, param_rounding=rounding),
+  "ftrl": lambda rounding: osa.sparse_ftrl(0.1, param_rounding=rounding),
+}
+
+
+def _f16_grads(rng: np.random.Generator, steps: int) -> list:
+  """float16 gradients with a row repeated five times (its sum rounded at every add, some
+  adds inexact), padding, -0.0 and float16 subnormals."""
+  grads = []
+  for _ in range(steps):
+    ids = rng.integers(0, ROWS, 12).astype(np.int32)
+    ids[:5] = ids[5]
+    ids[-1] = -1
+    vals = rng.standard_normal((12, WIDTH)).astype(np.float32) * 30
+    vals[1] *= 1e-3  # added to the others' sums: their low bits are rounded away
+    vals[0] = -0.0
+    vals[2, :4] = [3e-6, -4e-7, 6e-8, 1e-5]  # subnormal in float16
+    vals = jnp.asarray(vals, jnp.float16)
+    grads.append({"t": sparse.BCOO((vals, jnp.asarray(ids)[:, None]), shape=(ROWS, WIDTH))})
+  return grads
+
+
+# Jitted, each rule and rounding in the default tier; eager, one cell (the rest slow).
+@pytest.mark.parametrize(
+  "name, param_rounding, use_jit",
+  tiered(
+    [
+      (name, rounding, use_jit)
+      for use_jit in (True, False)
+      for name in sorted(F16_GRAD_OPTS)
+      for rounding in ("nearest", "stochastic")
+    ],
+    slow=lambda c: (
+      (not c[2] and c[:2] != ("adam", "stochastic"))
+      or c in (("sgd", "nearest", True), ("ftrl", "nearest", True))
+    ),
+  ),
+)
+def test_a_float16_gradient_on_a_float16_table_runs_the_kernels_in_xla_bits(
+  name, param_rounding, use_jit
+):
+  """The kernels sum a float16 gradient's rows rounding every add to float16, as XLA's
+  scatter-add does: Adam's fused kernel (float32 moments; SGD and FTRL: the generic
+  coalescing kernel) on a
+  float16 table, to nearest and stochastically; two steps (repeated and padding rows, -0.0,
+  subnormals; one step eagerly) equal the XLA ops' bits, jitted (donated) and eagerly, and
+  the jitted step runs the rule's kernel (no XLA coalescing)."""
+  opt = F16_GRAD_OPTS[name](param_rounding)
+  table0 = np.asarray(np.random.default_rng(0).standard_normal((ROWS, WIDTH)), np.float32)
+  grads = _f16_grads(np.random.default_rng(6), 2 if use_jit else 1)  # eager: op by op, slow
+  runs = {}
+  for on in (True, False):
+    params = {"t": jnp.asarray(table0, jnp.float16)}
+    state = opt.init(params)
+    step = train_step(opt)
+    if use_jit:
+      step = jax.jit(step, donate_argnums=(0, 1))
+    with kernels.use_cpu_kernels(on):
+      if on and use_jit:
+        hlo = step.lower(params, state, grads[0]).compile().as_text()
+        fused = name == "adam"  # SGD (no slot) and FTRL: the generic coalescing
+        assert ("optax_sparse_adam_coalesce_gather" in hlo) == (not fused)
+        assert "custom-call" in hlo and " sort(" not in hlo
+      for grad in grads:
+        params, state = step(params, state, grad)
+    runs[on] = (params, state)
+  for ours, theirs in zip(jax.tree.leaves(runs[True]), jax.tree.leaves(runs[False]), strict=True):
+    np.testing.assert_array_equal(_bits(ours), _bits(theirs))
+  assert not np.array_equal(np.asarray(runs[True][0]["t"], np.float32), table0)

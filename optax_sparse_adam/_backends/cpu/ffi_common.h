@@ -23,6 +23,10 @@
 
 #include "xla/ffi/api/ffi.h"
 
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#endif
+
 namespace ffi = xla::ffi;
 
 // x86-64 Linux builds carry an x86-64-v3 clone (AVX2 and FMA) of the row loops,
@@ -227,6 +231,79 @@ inline float WithBits(uint32_t word) {
   return x;
 }
 
+// float16 bits -> float32, exact (subnormals, inf, NaN with its payload).
+inline float F16ToFloat(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  const uint32_t shifted = static_cast<uint32_t>(h & 0x7FFFu) << 13;
+  const uint32_t exponent = shifted & 0x0F800000u;
+  uint32_t word = shifted + ((127u - 15u) << 23);
+  if (exponent == 0x0F800000u) word += (128u - 16u) << 23;  // inf, NaN
+  float x = WithBits(word);
+  // Zero and subnormals: renormalised by float32's own subtraction (exact).
+  if (exponent == 0) x = WithBits(word + (1u << 23)) - WithBits(113u << 23);
+  return WithBits(Bits(x) | sign);
+}
+
+// float32 -> float16 bits, to nearest, ties to even, as XLA and F16C convert:
+// beyond float16's range inf, NaN quieted with its payload's top bits.
+inline uint16_t F16Nearest(float x) {
+  uint32_t f = Bits(x);
+  const uint32_t sign = (f >> 16) & 0x8000u;
+  f &= 0x7FFFFFFFu;
+  uint32_t h;
+  if (f > 0x7F800000u) {
+    h = 0x7E00u | ((f & 0x7FFFFFu) >> 13);
+  } else if (f >= 0x47800000u) {  // 2^16 and above: inf
+    h = 0x7C00u;
+  } else if (f < 0x38800000u) {  // below 2^-14: float32's addition rounds at 2^-24
+    h = Bits(WithBits(f) + 0.5f) - Bits(0.5f);
+  } else {  // normal: 13 bits dropped, to nearest even
+    h = (f + ((15u - 127u) << 23) + 0xFFFu + ((f >> 13) & 1u)) >> 13;
+  }
+  return static_cast<uint16_t>(h | sign);
+}
+
+// Rows of float16 converted to and from float32: 8 values an instruction with
+// F16C (x86-64, checked at run time), whose conversions are XLA:CPU's; else the
+// portable ones above (the same bits).
+#if defined(__x86_64__) && defined(__GNUC__)
+__attribute__((target("avx,f16c"))) inline void WidenF16C(float* out, const uint16_t* in,
+                                                         int64_t n) {
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(in + j));
+    _mm256_storeu_ps(out + j, _mm256_cvtph_ps(h));
+  }
+  for (; j < n; ++j) out[j] = F16ToFloat(in[j]);
+}
+__attribute__((target("avx,f16c"))) inline void NarrowF16C(uint16_t* out, const float* in,
+                                                          int64_t n) {
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    const __m128i h = _mm256_cvtps_ph(_mm256_loadu_ps(in + j), _MM_FROUND_TO_NEAREST_INT);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + j), h);
+  }
+  for (; j < n; ++j) out[j] = F16Nearest(in[j]);
+}
+inline bool HasF16C() {
+  static const bool has = __builtin_cpu_supports("f16c") && __builtin_cpu_supports("avx");
+  return has;
+}
+#else
+inline bool HasF16C() { return false; }
+inline void WidenF16C(float*, const uint16_t*, int64_t) {}
+inline void NarrowF16C(uint16_t*, const float*, int64_t) {}
+#endif
+
+inline void WidenF16Row(float* out, const uint16_t* in, int64_t n) {
+  if (HasF16C()) return WidenF16C(out, in, n);
+  for (int64_t j = 0; j < n; ++j) out[j] = F16ToFloat(in[j]);
+}
+inline void NarrowF16Row(uint16_t* out, const float* in, int64_t n) {
+  if (HasF16C()) return NarrowF16C(out, in, n);
+  for (int64_t j = 0; j < n; ++j) out[j] = F16Nearest(in[j]);
+}
+
 // MurmurHash3's 32-bit finalizer, as `rounding.fmix32`.
 inline uint32_t Fmix32(uint32_t x) {
   x ^= x >> 16;
@@ -326,11 +403,18 @@ void CopyIfNotAliased(const ffi::AnyBuffer& in, ffi::Result<ffi::AnyBuffer>& out
   }
 }
 
-// A gradient's value as float32: float32, or bfloat16 (its bits).
+// A float16 gradient value: its bits, in a type of its own (bfloat16's are a uint16_t).
+struct Float16 {
+  uint16_t bits;
+};
+inline float ToFloat(Float16 h) { return F16ToFloat(h.bits); }
+
+// A gradient's value as float32: float32, bfloat16 (its bits) or float16 (`Float16`).
 // `SumRounded<T>` rounds a sum to T, as XLA rounds each add of 16-bit floats.
 template <typename T>
 inline float SumRounded(float x) {
   if constexpr (std::is_same_v<T, uint16_t>) return ToFloat(Bf16Bits<false>(x, 0));
+  if constexpr (std::is_same_v<T, Float16>) return F16ToFloat(F16Nearest(x));
   return x;
 }
 
@@ -361,6 +445,59 @@ OSA_MULTIVERSIONED_TEMPLATE void SumEntries(float* __restrict__ g, const T* __re
   for (; j + 16 <= row_size; j += 16) {
     SumEntriesBlock<16>(g + j, values + j, position, begin, end, row_size);
   }
+  for (; j < row_size; ++j) SumEntriesBlock<1>(g + j, values + j, position, begin, end, row_size);
+}
+
+#if defined(__x86_64__) && defined(__GNUC__)
+// `SumEntries` of float16 values with F16C's conversions, 16 values (then 8) a block
+// in two (one) AVX registers: each add in float32, rounded to float16 to nearest
+// (`_mm256_cvtps_ph`, XLA:CPU's conversion) and widened back, as XLA adds float16.
+__attribute__((target("avx,f16c"))) inline __m256 RoundedToF16(__m256 x) {
+  return _mm256_cvtph_ps(_mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT));
+}
+__attribute__((target("avx,f16c"))) inline __m256 LoadF16(const uint16_t* v) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(v)));
+}
+__attribute__((target("avx,f16c"))) inline void SumEntriesF16C(
+    float* __restrict__ g, const uint16_t* __restrict__ values,
+    const uint32_t* __restrict__ position, int64_t begin, int64_t end, int64_t row_size,
+    int64_t j) {
+  for (; j + 16 <= row_size; j += 16) {
+    __m256 a0 = _mm256_setzero_ps();
+    __m256 a1 = _mm256_setzero_ps();
+    for (int64_t e = begin; e < end; ++e) {
+      const uint16_t* v = values + static_cast<int64_t>(position[e]) * row_size + j;
+      a0 = RoundedToF16(_mm256_add_ps(a0, LoadF16(v)));
+      a1 = RoundedToF16(_mm256_add_ps(a1, LoadF16(v + 8)));
+    }
+    _mm256_storeu_ps(g + j, a0);
+    _mm256_storeu_ps(g + j + 8, a1);
+  }
+  for (; j + 8 <= row_size; j += 8) {
+    __m256 a = _mm256_setzero_ps();
+    for (int64_t e = begin; e < end; ++e) {
+      const uint16_t* v = values + static_cast<int64_t>(position[e]) * row_size + j;
+      a = RoundedToF16(_mm256_add_ps(a, LoadF16(v)));
+    }
+    _mm256_storeu_ps(g + j, a);
+  }
+}
+#endif
+
+// `SumEntries` of float16 values: F16C's conversions where the CPU has them (XLA:CPU
+// converts with them; the portable ones are the same bits, several times slower), the
+// portable ones for the rest of the row.
+inline void SumEntries(float* __restrict__ g, const Float16* __restrict__ values,
+                       const uint32_t* __restrict__ position, int64_t begin, int64_t end,
+                       int64_t row_size) {
+  int64_t j = 0;
+#if defined(__x86_64__) && defined(__GNUC__)
+  if (HasF16C()) {
+    SumEntriesF16C(g, reinterpret_cast<const uint16_t*>(values), position, begin, end, row_size,
+                   0);
+    j = row_size - row_size % 8;
+  }
+#endif
   for (; j < row_size; ++j) SumEntriesBlock<1>(g + j, values + j, position, begin, end, row_size);
 }
 
@@ -451,7 +588,7 @@ float PairwiseSum(float* scratch, int64_t row_size) {
 }
 
 // The FFI binding every row step shares (`CoalescedRowsStep`'s): its first
-// inputs, the gradient's rows (int32) and values (float32 or bfloat16; the
+// inputs, the gradient's rows (int32) and values (float32, bfloat16 or float16; the
 // scatter-add takes its update's so too, float32 only); then, after the step's own inputs, the
 // attributes `RowStepAttrs`; then, after the step's own attributes, the pool
 // and the first outputs `RowStepOutputs`.
@@ -459,8 +596,8 @@ inline auto RowStepBinding() {
   return ffi::Ffi::Bind().Arg<ffi::Buffer<ffi::S32>>().Arg<ffi::AnyBuffer>();
 }
 
-// Returns `run(values)` with the gradient's values typed: float32, or bfloat16
-// (its bits; `SumEntries` rounds their sums at every add, as XLA).
+// Returns `run(values)` with the gradient's values typed: float32, bfloat16 (its
+// bits) or float16 (`Float16`; `SumEntries` rounds 16-bit sums at every add, as XLA).
 template <typename Run>
 ffi::Error WithValues(const ffi::AnyBuffer& values, Run run) {
   if (values.element_type() == ffi::DataType::F32) {
@@ -469,7 +606,10 @@ ffi::Error WithValues(const ffi::AnyBuffer& values, Run run) {
   if (values.element_type() == ffi::DataType::BF16) {
     return run(static_cast<const uint16_t*>(values.untyped_data()));
   }
-  return ffi::Error::InvalidArgument("values must be float32 or bfloat16");
+  if (values.element_type() == ffi::DataType::F16) {
+    return run(static_cast<const Float16*>(values.untyped_data()));
+  }
+  return ffi::Error::InvalidArgument("values must be float32, bfloat16 or float16");
 }
 
 // The FFI binding of a kernel that writes rows into a table in place (`row_store.cc`,

@@ -10,7 +10,8 @@ hand-fused variant, listed in `_VARIANTS` by its name, runs it where it applies
 `benchmarks/bench_rules.py`): the variant computes what `xla.masked_step`
 computes with that rule, bit for bit (catch-up of idle rows to float32 rounding:
 its per-row powers use the C library's exp). The Adam and row-wise Adam variants
-(their calls: `moment_steps`) take a float32 gradient (and parameter, read for
+(their calls: `moment_steps`) take a float32, bfloat16 or float16 gradient (its
+duplicates summed in its dtype, as XLA sums them), a float32 parameter (read for
 weight decay), float32 or bfloat16 moments (stored in place, rounded as the step
 asks), with any of the pipeline's options (L2 or decoupled weight decay,
 amsgrad, per-row bias correction; for Adam, catch-up of idle rows). Every kernel
@@ -60,6 +61,8 @@ ADD_ROUNDED_ROWS = "optax_sparse_adam_add_rounded_rows"  # row_round.cc: 16-bit 
 ADD_ROWS_IN_PLACE = "optax_sparse_adam_add_rows_in_place"  # row_round.cc: 16-bit tables
 # The tables `store_rows` writes: the rows' bytes are copied, whatever they hold.
 _STORED_DTYPES = tuple(jnp.dtype(d) for d in (jnp.float32, jnp.bfloat16, jnp.float16))
+# The gradients the kernels sum (`SumEntries`: each add rounded to the dtype, as XLA's).
+_SUMMED_DTYPES = _STORED_DTYPES
 
 
 def _library_path() -> Path | None:
@@ -139,12 +142,19 @@ def enabled() -> bool:
 
 
 def _applies(
-  arrays: Sequence[Any], *, nse: int, num_rows: int, row_size: int, moments: Sequence[Any] = ()
+  arrays: Sequence[Any],
+  *,
+  nse: int,
+  num_rows: int,
+  row_size: int,
+  moments: Sequence[Any] = (),
+  values: Sequence[Any] = (),
 ) -> bool:
   """Whether a kernel may run a step on `arrays` (all float32) and `moments` at trace time.
 
-  `moments` may be float32 or bfloat16 (the step kernels store either, and sum a
-  gradient of either).
+  `moments` may be float32 or bfloat16 (the step kernels store either); `values`
+  (a gradient's) float32, bfloat16 or float16 (the kernels sum each, every add
+  rounded to its dtype as XLA adds them).
 
   Also needs at least one entry and one row of at least one value, no mesh with
   Explicit axes and arrays known to be on one device (a custom call cannot be
@@ -155,12 +165,13 @@ def _applies(
   return (
     all(jnp.dtype(x.dtype) == float32 for x in arrays)
     and all(jnp.dtype(x.dtype) in (float32, jnp.dtype(jnp.bfloat16)) for x in moments)
+    and all(jnp.dtype(x.dtype) in _SUMMED_DTYPES for x in values)
     and nse > 0
     and num_rows > 0
     and row_size > 0
     and not sharding.explicit_axes()
     and enabled()
-    and sharding.on_one_cpu_device((*arrays, *moments))
+    and sharding.on_one_cpu_device((*arrays, *moments, *values))
   )
 
 
@@ -245,7 +256,7 @@ def use_cpu_kernels(enable: bool) -> Iterator[None]:
 
 
 def _moment_step_applies(inputs: StepInputs, plan: StepPlan) -> bool:
-  """Float32 or bfloat16 gradient, float32 parameter (read for weight decay), float32 or
+  """Float32, bfloat16 or float16 gradient, float32 parameter (read for weight decay), float32 or
   bf16 slots, int32 step tables, float32 arithmetic: any weight decay, amsgrad, per-row
   steps or catch-up."""
   tables, hyper, config = inputs.tables, inputs.hyper, plan.config
@@ -265,7 +276,7 @@ def _moment_step_applies(inputs: StepInputs, plan: StepPlan) -> bool:
     return False
   steps = tuple(x for x in (tables.row_step, tables.last_step) if x is not None)
   param = (tables.param,) if weight_decay else ()
-  # A bfloat16 gradient's rows are summed in it, each add rounded, as XLA sums them.
+  # A 16-bit gradient's rows are summed in it, each add rounded, as XLA sums them.
   return (
     jnp.dtype(config.compute_dtype) == jnp.dtype(jnp.float32)
     and all(jnp.dtype(x.dtype) == jnp.dtype(jnp.int32) for x in steps)
@@ -275,7 +286,8 @@ def _moment_step_applies(inputs: StepInputs, plan: StepPlan) -> bool:
       nse=inputs.values.shape[0],
       num_rows=plan.layout.num_rows,
       row_size=math.prod(plan.layout.dense_shape),
-      moments=(inputs.values, *slots.values()),
+      moments=tuple(slots.values()),
+      values=(inputs.values,),
     )
   )
 
@@ -313,7 +325,7 @@ def _rule_step_applies(inputs: StepInputs, plan: StepPlan) -> bool:
 _VARIANTS: dict[str, KernelVariant] = {
   "adam": KernelVariant(_adam_applies, moment_steps.adam_step),
   "rowwise_adam": KernelVariant(_rowwise_adam_applies, moment_steps.rowwise_adam_step),
-  # SGD, Adagrad, row-wise Adagrad: one kernel (rule_steps).
+  # SGD with momentum, Adagrad, row-wise Adagrad: one kernel (rule_steps; plain SGD: none).
   **{
     name: KernelVariant(_rule_step_applies, rule_steps.masked_step, max_norm=True)
     for name in rule_steps.RULES
@@ -385,8 +397,8 @@ def generic_step_applies(inputs: StepInputs, plan: StepPlan) -> bool:
   A gradient with entries, rows of at least one value, every table (slots,
   parameter, per-row steps) float32, bfloat16, float16 or int32 and on one CPU
   device, no Explicit mesh axes, and `enabled()`. The rows are then also
-  coalesced and gathered by the generic kernel where the gradient is float32
-  (`gathers`).
+  coalesced and gathered by the generic kernel where the gradient is float32,
+  bfloat16 or float16 (`gathers`).
   """
   tables = inputs.tables
   given = [*tables.slots.values(), tables.param, tables.row_step, tables.last_step]
@@ -403,12 +415,8 @@ def generic_step_applies(inputs: StepInputs, plan: StepPlan) -> bool:
 
 
 def gathers(values: jax.Array) -> bool:
-  """Whether `coalesce_and_gather` sums these gradient values (float32 or bfloat16).
-
-  A float16 gradient is coalesced by XLA: its float16 conversions use the CPU's
-  instructions, which the kernel's portable ones measured 6x slower than.
-  """
-  return jnp.dtype(values.dtype) in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+  """Whether `coalesce_and_gather` sums these gradient values (float32, bfloat16, float16)."""
+  return jnp.dtype(values.dtype) in _SUMMED_DTYPES
 
 
 def coalesce_and_gather(

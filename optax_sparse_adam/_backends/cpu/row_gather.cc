@@ -6,7 +6,7 @@
 //
 // XLA:CPU sorts, searches and gathers element by element; this sorts the rows
 // (`ffi_common.h`'s stable radix sort), sums each row's entries in input order
-// from +0.0, each add rounded to the gradient's dtype (float32 or bfloat16), as
+// from +0.0, each add rounded to the gradient's dtype (float32, bfloat16 or float16), as
 // `coalesce.coalesce_and_gather_rows` sums them, and copies each
 // table's row bytes at each distinct row, zeros at padding slots (as
 // `bcoo.gather_rows` fills them): XLA's bits by construction.
@@ -21,10 +21,13 @@
 
 namespace {
 
-// `out` = `x` (bfloat16 values held in float32) as bfloat16 bits: exact.
-OSA_MULTIVERSIONED void ToBf16Row(uint16_t* __restrict__ out, const float* __restrict__ x,
+// `out` = `x` (16-bit values held in float32) as their bits: exact.
+OSA_MULTIVERSIONED void ToBitsRow(uint16_t* __restrict__ out, const float* __restrict__ x,
                                   int64_t row_size) {
   for (int64_t j = 0; j < row_size; ++j) out[j] = Bf16Bits<false>(x[j], 0);
+}
+void ToBitsRow(Float16* out, const float* x, int64_t row_size) {
+  NarrowF16Row(reinterpret_cast<uint16_t*>(out), x, row_size);
 }
 
 struct GatheredTable {
@@ -34,9 +37,8 @@ struct GatheredTable {
 };
 
 // Each distinct row's entries summed in input order from +0.0, every add rounded
-// to the values' dtype T (float32, or bfloat16 bits: as XLA adds 16-bit floats;
-// float16 gradients are coalesced by XLA, whose conversions use the CPU's F16C),
-// and every table's row gathered.
+// to the values' dtype T (float32, bfloat16 bits or `Float16`: as XLA adds 16-bit
+// floats), and every table's row gathered.
 template <typename T>
 void CoalesceGather(const int32_t* rows, int64_t nse, const T* values, int64_t num_rows,
                     int64_t row_size, const std::vector<GatheredTable>& tables,
@@ -58,7 +60,7 @@ void CoalesceGather(const int32_t* rows, int64_t nse, const T* values, int64_t n
         } else {
           if (static_cast<int64_t>(scratch.size()) < row_size) scratch.resize(row_size);
           SumEntries(scratch.data(), values, position, begin, end, row_size);
-          ToBf16Row(sums + s * row_size, scratch.data(), row_size);
+          ToBitsRow(sums + s * row_size, scratch.data(), row_size);
         }
         for (const GatheredTable& t : tables) {
           std::memcpy(t.out + s * t.row_bytes, t.rows + row * t.row_bytes, t.row_bytes);
@@ -83,8 +85,8 @@ ffi::Error CoalesceGatherImpl(ffi::Buffer<ffi::S32> rows, ffi::AnyBuffer values,
     return ffi::Error::InvalidArgument("values must hold nse > 0 rows of at least one value");
   }
   const ffi::DataType type = values.element_type();
-  if (type != ffi::DataType::F32 && type != ffi::DataType::BF16) {
-    return ffi::Error::InvalidArgument("values must be float32 or bfloat16");
+  if (type != ffi::DataType::F32 && type != ffi::DataType::BF16 && type != ffi::DataType::F16) {
+    return ffi::Error::InvalidArgument("values must be float32, bfloat16 or float16");
   }
   if (num_rows <= 0 || tables.size() != gathered.size() || out_values->element_type() != type) {
     return ffi::Error::InvalidArgument("one gathered output per table, num_rows > 0");
@@ -113,9 +115,12 @@ ffi::Error CoalesceGatherImpl(ffi::Buffer<ffi::S32> rows, ffi::AnyBuffer values,
   if (type == ffi::DataType::F32) {
     CoalesceGather(r, nse, static_cast<const float*>(v), num_rows, row_size, ts, pool, rows_out,
                    static_cast<float*>(sums));
-  } else {
+  } else if (type == ffi::DataType::BF16) {
     CoalesceGather(r, nse, static_cast<const uint16_t*>(v), num_rows, row_size, ts, pool,
                    rows_out, static_cast<uint16_t*>(sums));
+  } else {
+    CoalesceGather(r, nse, static_cast<const Float16*>(v), num_rows, row_size, ts, pool,
+                   rows_out, static_cast<Float16*>(sums));
   }
   return ffi::Error::Success();
 }

@@ -1,6 +1,6 @@
-// Fused CPU kernels of the masked step for the rules with at most one slot:
-// SGD (with or without a lazy momentum buffer, Nesterov), Adagrad and row-wise
-// Adagrad (`_core/row_rules/{sgd,adagrad,rowwise_adagrad}.py`), with the
+// Fused CPU kernels of the masked step for the rules with one slot: SGD with a
+// lazy momentum buffer (Nesterov or not), Adagrad and row-wise Adagrad (plain
+// SGD runs the generic kernels: its fused kernel measured within 10% of them) (`_core/row_rules/{sgd,adagrad,rowwise_adagrad}.py`), with the
 // pipeline's options around them (maximize, L2 or decoupled weight decay,
 // renormalisation to `max_norm`), called from XLA through its FFI
 // (`rule_steps.py` builds the call).
@@ -26,7 +26,6 @@ namespace {
 
 // The rule of a step, `rule_steps.RULE_CODES`.
 enum RuleKind : int {
-  kSgd = 0,
   kSgdMomentum = 1,
   kSgdNesterov = 2,
   kAdagrad = 3,
@@ -34,7 +33,7 @@ enum RuleKind : int {
 };
 
 // The step's scalars, computed by XLA as `xla.masked_step` computes them.
-//   SGD: a = lr; with momentum also b = momentum, c = 1 - dampening.
+//   SGD with momentum: a = lr, b = momentum, c = 1 - dampening.
 //   Adagrad: a = the step size lr / (1 + (t - 1) * lr_decay), b = eps.
 //   Row-wise Adagrad: a = lr, b = eps, c = 1 / row_size.
 // decay: wd (L2) or lr * wd (decoupled); max_norm: the renormalisation's bound.
@@ -45,7 +44,7 @@ constexpr int64_t kNumRuleCoeffs = 5;
 
 // One row of a rule's step: `g` holds the row's summed gradient and receives
 // its delta; `s` is the row's slot (a row of values, or the row's one value for
-// row-wise Adagrad; unused by plain SGD); `p` the parameter's row (read for
+// row-wise Adagrad); `p` the parameter's row (read for
 // weight decay and max_norm); `scratch` row_size floats.
 template <int kRule, typename T, bool kStochastic, int kDecay, bool kMaxNorm>
 OSA_MULTIVERSIONED_TEMPLATE void RuleRow(float* __restrict__ g, T* __restrict__ s,
@@ -77,7 +76,6 @@ OSA_MULTIVERSIONED_TEMPLATE void RuleRow(float* __restrict__ g, T* __restrict__ 
     }
   } else {
     const float neg_lr = -c.a;
-    const float signed_lr = WithBits(Bits(neg_lr) ^ sign_flip);  // -lr, or lr if maximize
     uint32_t e = 0;  // j * kElementMultiplier, for stochastic rounding (`StochasticBits`)
     for (int64_t j = 0; j < row_size; ++j, e += kElementMultiplier) {
       const float g_given = g[j];
@@ -85,9 +83,7 @@ OSA_MULTIVERSIONED_TEMPLATE void RuleRow(float* __restrict__ g, T* __restrict__ 
       if constexpr (kDecay == kL2) gj = gj + c.decay * p[j];
       const float g_squared = kDecay == kL2 ? gj * gj : g_given * g_given;
       float delta;
-      if constexpr (kRule == kSgd) {
-        delta = kDecay == kL2 ? neg_lr * gj : signed_lr * g_given;
-      } else if constexpr (kRule == kAdagrad) {
+      if constexpr (kRule == kAdagrad) {
         const float total = StoreMoment<kStochastic>(&s[j], ToFloat(s[j]) + g_squared, key, e);
         delta = neg_lr * (gj / (std::sqrt(total) + c.b));
       } else {
@@ -128,16 +124,15 @@ ffi::Error WithRuleTypes(int64_t rule, ffi::DataType slot_type, bool stochastic,
     if (decay == kDecoupled) return with_norm(r, t, st, std::integral_constant<int, kDecoupled>{});
     return with_norm(r, t, st, std::integral_constant<int, kNoDecay>{});
   };
-  // Plain SGD keeps no slot; stochastic rounding only stores bfloat16.
+  // Stochastic rounding only stores bfloat16.
   const auto with_slot = [&](auto r) {
-    if (decltype(r)::value == kSgd || slot_type == ffi::DataType::F32) {
+    if (slot_type == ffi::DataType::F32) {
       return with_decay(r, float{}, std::false_type{});
     }
     if (stochastic) return with_decay(r, uint16_t{}, std::true_type{});
     return with_decay(r, uint16_t{}, std::false_type{});
   };
   switch (rule) {
-    case kSgd: return with_slot(std::integral_constant<int, kSgd>{});
     case kSgdMomentum: return with_slot(std::integral_constant<int, kSgdMomentum>{});
     case kSgdNesterov: return with_slot(std::integral_constant<int, kSgdNesterov>{});
     case kAdagrad: return with_slot(std::integral_constant<int, kAdagrad>{});
@@ -145,9 +140,9 @@ ffi::Error WithRuleTypes(int64_t rule, ffi::DataType slot_type, bool stochastic,
   }
 }
 
-// The step of a rule with at most one slot. Inputs: rows s32 (nse,), values
+// The step of a rule with one slot. Inputs: rows s32 (nse,), values
 // f32 (nse, ...), slot (f32 or bf16: the parameter's shape, (num_rows,) for
-// row-wise Adagrad, empty for plain SGD), coeffs f32 (5,) (`RuleCoeffs`), keys
+// row-wise Adagrad), coeffs f32 (5,) (`RuleCoeffs`), keys
 // u32 (2,) (the slot's stochastic-rounding key of this step and the tables'
 // first global row, read when `stochastic`), param f32 (its own shape; empty
 // without weight decay and max_norm). Attributes: num_rows, maximize,
@@ -161,14 +156,14 @@ ffi::Error RuleStepImpl(ffi::Buffer<ffi::S32> rows, ffi::AnyBuffer values,
                         int64_t decay, bool max_norm, ffi::ThreadPool pool,
                         ffi::ResultBuffer<ffi::S32> distinct_rows,
                         ffi::ResultBuffer<ffi::F32> delta, ffi::Result<ffi::AnyBuffer> slot_out) {
-  if (rule < kSgd || rule > kRowwiseAdagrad) return ffi::Error::InvalidArgument("unknown rule");
+  if (rule < kSgdMomentum || rule > kRowwiseAdagrad) return ffi::Error::InvalidArgument("unknown rule");
   if (decay < kNoDecay || decay > kDecoupled) {
     return ffi::Error::InvalidArgument("decay must be 0 (none), 1 (L2) or 2 (decoupled)");
   }
   const int64_t nse = static_cast<int64_t>(rows.element_count());
   if (nse == 0 || num_rows <= 0) return ffi::Error::InvalidArgument("no entries or no rows");
   const int64_t row_size = RowSize(values.element_count(), nse);
-  const int64_t slot_row_size = rule == kSgd ? 0 : (rule == kRowwiseAdagrad ? 1 : row_size);
+  const int64_t slot_row_size = rule == kRowwiseAdagrad ? 1 : row_size;
   if (row_size <= 0 ||
       static_cast<int64_t>(slot.element_count()) != num_rows * slot_row_size) {
     return ffi::Error::InvalidArgument("the slot must hold num_rows rows of the rule's size");
@@ -177,7 +172,7 @@ ffi::Error RuleStepImpl(ffi::Buffer<ffi::S32> rows, ffi::AnyBuffer values,
   if (reads_param && static_cast<int64_t>(param.element_count()) != num_rows * row_size) {
     return ffi::Error::InvalidArgument("param must hold num_rows rows of the values' size");
   }
-  if (slot_row_size > 0 && slot.element_type() != ffi::DataType::F32 &&
+  if (slot.element_type() != ffi::DataType::F32 &&
       slot.element_type() != ffi::DataType::BF16) {
     return ffi::Error::InvalidArgument("the slot must be float32 or bfloat16");
   }
@@ -202,7 +197,7 @@ ffi::Error RuleStepImpl(ffi::Buffer<ffi::S32> rows, ffi::AnyBuffer values,
           rows.typed_data(), nse, vals, num_rows, row_size, pool, distinct_rows->typed_data(),
           delta->typed_data(),
           [&](int64_t row) {
-            if (slot_row_size > 0) PrefetchRow(s + row * slot_row_size, slot_row_size);
+            PrefetchRow(s + row * slot_row_size, slot_row_size);
             if (p != nullptr) PrefetchRow(p + row * row_size, row_size);
           },
           [&](int64_t row, int64_t, float* g) {

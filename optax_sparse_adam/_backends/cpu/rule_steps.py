@@ -1,9 +1,11 @@
 """The FFI call of the SGD, Adagrad and row-wise Adagrad kernel (`rule_kernels.cc`), and where
 it applies.
 
-One kernel runs the rules with at most one slot: SGD (no slot, or the lazy
-`momentum_buffer`; Nesterov), Adagrad (`sum`) and row-wise Adagrad (one `sum`
-per row), with maximize, L2 or decoupled weight decay and `max_norm`. The
+One kernel runs the rules with one slot: SGD with the lazy `momentum_buffer`
+(Nesterov or not), Adagrad (`sum`) and row-wise Adagrad (one `sum` per row),
+with maximize, L2 or decoupled weight decay and `max_norm`. Plain SGD (no slot)
+runs the generic kernels: its fused variant measured within 10% of them
+(`benchmarks/bench_rules.py`), so it was deleted. The
 step's scalars are computed here in XLA as `xla.masked_step` and the rule
 compute them (so the two paths round alike); the slot is given in its own
 shape and aliased to its output (in place when donated). `kernels.py` adds the
@@ -35,14 +37,14 @@ TARGETS = {RULE_STEP: "OsaRuleStepF32"}
 # The rules this kernel runs, by `RowRule.name`.
 RULES = ("sgd", "adagrad", "rowwise_adagrad")
 # `RuleKind` in rule_kernels.cc.
-_SGD, _SGD_MOMENTUM, _SGD_NESTEROV, _ADAGRAD, _ROWWISE_ADAGRAD = range(5)
+_SGD_MOMENTUM, _SGD_NESTEROV, _ADAGRAD, _ROWWISE_ADAGRAD = range(1, 5)
 _DECAY_CODES = {"none": 0, "l2": 1, "decoupled": 2}
 
 
 def _rule_code(rule: Any) -> int | None:
   if isinstance(rule, SGDRule):
     if not rule.momentum:
-      return _SGD
+      return None  # plain SGD: the generic kernels
     return _SGD_NESTEROV if rule.nesterov else _SGD_MOMENTUM
   if isinstance(rule, AdagradRule):
     return _ADAGRAD
@@ -98,16 +100,16 @@ def _coefficients(inputs: StepInputs, plan: StepPlan) -> list[Any]:
 
 
 def masked_step(inputs: StepInputs, plan: StepPlan) -> RowsStep:
-  """`xla.masked_step` of SGD, Adagrad or row-wise Adagrad: one FFI call."""
+  """`xla.masked_step` of SGD with momentum, Adagrad or row-wise Adagrad: one FFI call."""
   f32 = jnp.float32
   config, tables = plan.config, inputs.tables
   names = [slot.name for slot in plan.rule.slots()]
-  slot = tables.slots[names[0]] if names else jnp.zeros((0,), f32)
+  slot = tables.slots[names[0]]
   reads_param = config.weight_decay != "none" or config.max_norm is not None
   param = tables.param if reads_param else None
   stochastic = config.moment_rounding == "stochastic"
   # A one-slot rule's slot is its pair's first: the hash's top half, as the kernel takes.
-  pair = rounding.hash_half(names, names[0])[0] if names else 0
+  pair = rounding.hash_half(names, names[0])[0]
   keys = rounding.kernel_keys(inputs.step, pair, inputs.row_offset)
   call = jax.ffi.ffi_call(
     RULE_STEP,
@@ -133,4 +135,4 @@ def masked_step(inputs: StepInputs, plan: StepPlan) -> RowsStep:
     decay=_DECAY_CODES[config.weight_decay],
     max_norm=config.max_norm is not None,
   )
-  return RowsStep(rows, delta, Tables({names[0]: new_slot} if names else {}))
+  return RowsStep(rows, delta, Tables({names[0]: new_slot}))
