@@ -47,5 +47,11 @@ SLOW_RUNS = frozenset(
 # the torch adapter: the Linen table, the bags, NNX with the partitioner's own axes, NNX on a
 # cyclic table. Each traces the same routed lookup, step and apply the default runs check.
 SLOW_CHECKS = frozenset(
-  {"front_ends/linen_table", "front_ends/nnx_bag", "flax_nnx_auto_default", "flax_nnx_cyclic"}
+  {
+    "front_ends/linen_table",
+    "front_ends/nnx_bag",
+    "front_ends/linen_bag",
+    "flax_nnx_auto_default",
+    "flax_nnx_cyclic",
+  }
 )

@@ -459,16 +459,18 @@ def test_catch_up_rows_reads_rows_as_dense_adam_has_them():
   params = jnp.asarray(np.random.default_rng(0).normal(size=(VOCAB, DIM)), jnp.float32)
   in_step = (params, opt.init(params))
   before = (params, opt.init(params))
+  # Jitted, the ids padded to one shape (out-of-range ids are skipped): one compile each.
+  catch_up = jax.jit(functools.partial(osa.catch_up_rows, opt))
+  step = jax.jit(lambda g, s, p: (lambda u, s: (osa.apply_updates(p, u), s))(*opt.update(g, s, p)))
   for ids, values in sparse_grads(pattern, 0):
     grad = bcoo(ids, values)
     p, s = before
-    p, s = osa.catch_up_rows(opt, p, s, jnp.concatenate([jnp.asarray(ids), jnp.array([-1, 99])]))
+    out_of_range = np.array([-1] * (NSE - len(ids)) + [-1, 99], np.int32)
+    p, s = catch_up(p, s, jnp.asarray(np.concatenate([ids, out_of_range])))
     # The rows of the batch are up to date; the others are not touched.
     np.testing.assert_array_equal(np.asarray(s.row_last_step)[ids], int(s.param_steps[0]))
-    updates, s = opt.update(grad, s, p)
-    before = (osa.apply_updates(p, updates), s)
-    updates, s = opt.update(grad, in_step[1], in_step[0])
-    in_step = (osa.apply_updates(in_step[0], updates), s)
+    before = step(grad, s, p)
+    in_step = step(grad, in_step[1], in_step[0])
   for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(in_step), strict=True):
     np.testing.assert_allclose(np.asarray(a, F64), np.asarray(b, F64), rtol=2e-6, atol=2e-7)
 
@@ -544,7 +546,7 @@ def test_with_inject_hyperparams():
 @pytest.mark.parametrize("path", [pytest.param("generic", marks=pytest.mark.slow), "accelerator"])
 def test_grad_through_catch_up_steps(path):
   """d(loss after catch-up steps)/d(learning rate) is finite and matches finite differences."""
-  grads = sparse_grads(touch_pattern(5), 6)
+  grads = sparse_grads(touch_pattern(3), 6)  # rows 1 to 4 and 6 idle a step or two
   params = jnp.asarray(np.random.default_rng(6).normal(size=(VOCAB, DIM)), jnp.float32)
 
   def loss_after(lr):
