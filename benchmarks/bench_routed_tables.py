@@ -22,7 +22,6 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
   ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import argparse  # noqa: E402
 import re  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
@@ -79,10 +78,7 @@ def _stepper(dtype, rounding, batches, *, num_rows, dim, mesh):
 
 
 def main(argv=None) -> None:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument("--vocab", type=int, default=1_000_000, help="rows V")
-  parser.add_argument("--dim", type=int, default=64, help="row width D")
-  parser.add_argument("--batch", type=int, default=4096, help="ids B per step (all devices)")
+  parser = c.table_parser(__doc__)  # --vocab, --dim, --batch (ids a step, all devices)
   parser.add_argument("--steps", type=int, default=10, help="steps per timed run")
   parser.add_argument("--rounds", type=int, default=7, help="interleaved rounds")
   parser.add_argument("--dist", default="zipf", choices=("zipf", "uniform"), help="ids")

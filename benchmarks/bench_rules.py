@@ -32,7 +32,6 @@ Run from the repository root:
   python -m benchmarks.bench_rules --quick    # V = 100k, fewer steps and rounds
 """
 
-import argparse
 import time
 
 import jax
@@ -228,10 +227,7 @@ def print_ratios(results) -> None:
 
 
 def main(argv=None) -> None:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument("--vocab", type=int, default=1_000_000, help="rows V")
-  parser.add_argument("--dim", type=int, default=64, help="row width D")
-  parser.add_argument("--batch", type=int, default=4096, help="ids B per gradient")
+  parser = c.table_parser(__doc__)  # --vocab, --dim, --batch
   parser.add_argument("--steps", type=int, default=20, help="steps per timed run")
   parser.add_argument("--rounds", type=int, default=7, help="interleaved rounds per step")
   parser.add_argument("--quick", action="store_true", help="V = 100k, 10 steps, 3 rounds")

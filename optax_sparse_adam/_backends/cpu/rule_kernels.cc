@@ -1,6 +1,7 @@
 // Fused CPU kernels of the masked step for the rules with one slot: SGD with a
-// lazy momentum buffer (Nesterov or not), Adagrad and row-wise Adagrad (plain
-// SGD runs the generic kernels: its fused kernel measured within 10% of them) (`_core/row_rules/{sgd,adagrad,rowwise_adagrad}.py`), with the
+// lazy momentum buffer (Nesterov or not), Adagrad and row-wise Adagrad
+// (`_core/row_rules/{sgd,adagrad,rowwise_adagrad}.py`; plain SGD runs the generic
+// kernels: its fused kernel measured within 10% of them), with the
 // pipeline's options around them (maximize, L2 or decoupled weight decay,
 // renormalisation to `max_norm`), called from XLA through its FFI
 // (`rule_steps.py` builds the call).
