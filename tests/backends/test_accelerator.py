@@ -87,13 +87,14 @@ CASES += [("embedding", option, False) for option in OPTIONS]  # eager: op by op
 
 @pytest.mark.parametrize(
   ("layout", "option", "use_jit"),
-  # Every option on the embedding, the options that index by layout (the default, per-row
-  # bias correction) on every layout; the other crossings and the eager options: slow tier.
+  # Every option on the embedding; on every other layout the option that indexes by
+  # layout (per-row bias correction, with AMSGrad and L2 over the default's arithmetic);
+  # the other crossings and the eager options: slow tier.
   tiered(
     CASES,
     lambda case: (
       (case[1] != "default" and not case[2])
-      or (case[0] != "embedding" and case[1] not in ("default", "amsgrad_l2_per_row"))
+      or (case[0] != "embedding" and case[1] != "amsgrad_l2_per_row")
     ),
   ),
   ids=[f"{layout}-{option}-{jit}" for layout, option, jit in CASES],

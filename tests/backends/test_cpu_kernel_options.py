@@ -143,11 +143,20 @@ CASES = [(name, True) for name in OPTIONS] + [
   ("l2_amsgrad_per_row_maximize", False),
   ("rowwise_l2_amsgrad_per_row_bf16_stochastic", False),
 ]
+# The default tier runs the combinations, which take every branch of the kernel the single
+# options take (test_cpu_kernels runs the kernel op by op); the rest run in the slow tier.
+SLOW_CASES = {
+  *((name, True) for name in ("adamw", "l2", "amsgrad", "per_row", "rowwise_maximize")),
+  *(
+    (name, False)
+    for name in ("l2_amsgrad_per_row_maximize", "rowwise_l2_amsgrad_per_row_bf16_stochastic")
+  ),
+}
 
 
 @pytest.mark.parametrize(
   "name,use_jit",
-  tiered(CASES, lambda case: case == ("l2_amsgrad_per_row_maximize", False)),  # eager: one
+  tiered(CASES, lambda case: case in SLOW_CASES),
   ids=[f"{n}-{'jit' if j else 'eager'}" for n, j in CASES],
 )
 def test_options_on_the_kernels_equal_the_xla_ops_bit_for_bit(name, use_jit):

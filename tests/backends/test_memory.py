@@ -16,7 +16,7 @@ from jax.experimental import sparse
 
 import optax_sparse_adam as osa
 from optax_sparse_adam._backends.cpu import kernels
-from tests._helpers import BACKEND, train_step
+from tests._helpers import BACKEND, tiered, train_step
 
 NUM_ROWS = 100_003  # V: prime, distinct from every other dimension below
 DIM = 24
@@ -201,14 +201,29 @@ def test_without_donation_tables_are_copied(cpu_kernels):
   assert compiled.memory_analysis().alias_size_in_bytes == 0
 
 
-@pytest.mark.parametrize("moment_rounding", ["nearest", "stochastic"])
+BF16_MOMENT_OPTIONS = {
+  "full": {},
+  "rowwise": {"rowwise_second_moment": True},
+  "amsgrad_l2": {"amsgrad": True, "weight_decay": 0.1},
+}
+BF16_MOMENT_CASES = [
+  (param_dtype, option, rounding)
+  for param_dtype in ("f32_params", "bf16")
+  for option in BF16_MOMENT_OPTIONS
+  for rounding in ("nearest", "stochastic")
+]
+# Default tier: every option and rounding on float32 parameters; on a bf16 table each option
+# once, the roundings between them.
+BF16_MOMENT_SLOW = [("bf16", "full", "stochastic"), ("bf16", "rowwise", "stochastic"),
+                    ("bf16", "amsgrad_l2", "nearest")]  # fmt: skip
+
+
 @pytest.mark.parametrize(
-  "options",
-  [{}, {"rowwise_second_moment": True}, {"amsgrad": True, "weight_decay": 0.1}],
-  ids=["full", "rowwise", "amsgrad_l2"],
+  "param_dtype, option, moment_rounding",
+  tiered(BF16_MOMENT_CASES, lambda case: case in BF16_MOMENT_SLOW),
+  ids=["-".join(case) for case in BF16_MOMENT_CASES],
 )
-@pytest.mark.parametrize("param_dtype", [jnp.float32, jnp.bfloat16], ids=["f32_params", "bf16"])
-def test_bf16_moments_no_float32_table(moment_rounding, options, param_dtype):
+def test_bf16_moments_no_float32_table(param_dtype, option, moment_rounding):
   """On the XLA ops, bf16 tables are stored through their bits: no float32 table.
 
   XLA:CPU converted each bf16 table to float32 and back around every scatter
@@ -216,6 +231,8 @@ def test_bf16_moments_no_float32_table(moment_rounding, options, param_dtype):
   op makes a float32 `[V, ...]` array or converts a table, and the
   temporaries are at most one same-width copy of each bf16 table.
   """
+  param_dtype = jnp.float32 if param_dtype == "f32_params" else jnp.bfloat16
+  options = BF16_MOMENT_OPTIONS[option]
   rng = np.random.default_rng(5)
   params = {"table": jnp.zeros((NUM_ROWS, DIM), param_dtype)}
   grads = {"table": _grad((NUM_ROWS, DIM), 1, rng, param_dtype)}

@@ -16,6 +16,7 @@ from jax.experimental import sparse
 
 import optax_sparse_adam as osa
 import optax_sparse_adam.torch_compat as tc
+from tests._helpers import tiered
 
 torch = pytest.importorskip("torch")
 
@@ -60,9 +61,15 @@ def _optax_options(options):
   return options
 
 
+DENSE_CASES = [("SGD", o, s) for o, s in SGD_CASES] + [("Adagrad", o, s) for o, s in ADAGRAD_CASES]
+# Options another default cell also turns on (plain SGD under maximize, the weight decay under
+# momentum, plain Adagrad under lr_decay): the slow tier.
+SLOW_DENSE_CASES = (DENSE_CASES[0], DENSE_CASES[2], DENSE_CASES[5])
+
+
 @pytest.mark.parametrize(
   "name,options,with_sparse",
-  [("SGD", o, s) for o, s in SGD_CASES] + [("Adagrad", o, s) for o, s in ADAGRAD_CASES],
+  tiered(DENSE_CASES, lambda case: case in SLOW_DENSE_CASES),
 )
 def test_dense_leaves_step_as_torchs_dense_optimizer(name, options, with_sparse):
   # torch refuses the dense-only options on the sparse table: dense leaves only there.

@@ -301,10 +301,25 @@ def test_schedule_and_chain_with_stochastic_bf16():
   assert runs[0] == runs[1] == runs[2]
 
 
-@pytest.mark.parametrize("rowwise", [False, True], ids=["full", "rowwise"])
-@pytest.mark.parametrize("mode", ["nearest", "stochastic"])
+SAME_BITS_CASES = [
+  (dtypes, mode, rowwise)
+  for dtypes in [("bfloat16", "bfloat16"), ("bfloat16", None), (None, "bfloat16")]
+  for mode in ("nearest", "stochastic")
+  for rowwise in (False, True)
+]
+# Default tier: each moment in bfloat16 alone and both, each rounding, full and row-wise `nu`.
+SAME_BITS_DEFAULT = [
+  (("bfloat16", "bfloat16"), "stochastic", True),
+  (("bfloat16", None), "stochastic", False),
+  ((None, "bfloat16"), "nearest", False),
+  ((None, "bfloat16"), "stochastic", True),
+]
+
+
 @pytest.mark.parametrize(
-  "dtypes", [("bfloat16", "bfloat16"), ("bfloat16", None), (None, "bfloat16")], ids=str
+  "dtypes, mode, rowwise",
+  tiered(SAME_BITS_CASES, lambda case: case not in SAME_BITS_DEFAULT),
+  ids=[f"{d}-{m}-{'rowwise' if r else 'full'}" for d, m, r in SAME_BITS_CASES],
 )
 def test_every_path_stores_the_same_bits(dtypes, mode, rowwise):
   """The fused CPU kernels, the XLA ops and the accelerator step, with NaN and inf entries."""
@@ -325,8 +340,17 @@ def test_every_path_stores_the_same_bits(dtypes, mode, rowwise):
   assert runs[0] == runs[1] == runs[2]
 
 
-@pytest.mark.parametrize("path", PATHS)
-@pytest.mark.parametrize("rowwise", [False, True], ids=["full", "rowwise"])
+SHARD_CASES = [(path, rowwise) for rowwise in (False, True) for path in PATHS]
+
+
+@pytest.mark.parametrize(
+  "path, rowwise",
+  # Each path once in the default tier, full and row-wise `nu` between them.
+  tiered(
+    SHARD_CASES, lambda case: case not in [(PATHS[0], True), (PATHS[1], False), (PATHS[2], True)]
+  ),
+  ids=[f"{'rowwise' if r else 'full'}-{p}" for p, r in SHARD_CASES],
+)
 def test_a_shard_given_its_first_row_draws_the_whole_tables_bits(path, rowwise):
   """A step on the upper half of a table with `row_offset` = its first global row (as the
   routed step gives each shard) stores the bits of that half of the whole table's step."""

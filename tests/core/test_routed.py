@@ -628,6 +628,7 @@ def test_catch_up_rows_of_a_cyclic_table_catches_up_the_logical_rows(checks):
   assert checks["cyclic"]["catch_up_rows_diff"] <= F32_ATOL
 
 
+@pytest.mark.slow  # "catch_up_rows_explicit" in SLOW_CHECKS: the slow tier computes it
 def test_catch_up_rows_of_a_table_split_over_explicit_axes_matches_one_device(checks):
   """Eagerly under `jax.set_mesh` with `Explicit` axes, where a gather from a row-split
   table has no one output sharding: partitioned by XLA, as on one device."""
