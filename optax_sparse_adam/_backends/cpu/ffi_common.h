@@ -4,7 +4,8 @@
 // storage in float32 or bfloat16 (to nearest or stochastically), and the row
 // sums in `rowwise_adam.pairwise_row_sum`'s order. Each source file that
 // includes it gets its own copy (an anonymous namespace): the FFI handlers are
-// the only exported symbols.
+// the only exported symbols. A function here that some file does not call is
+// `inline` (or a template): a file builds without unused-function warnings.
 
 #ifndef OPTAX_SPARSE_ADAM_BACKENDS_CPU_FFI_COMMON_H_
 #define OPTAX_SPARSE_ADAM_BACKENDS_CPU_FFI_COMMON_H_
@@ -383,7 +384,7 @@ inline float StoreMoment(T* dst, float x, uint32_t row_key, uint32_t j_mixed) {
 // the rule) or decoupled (`delta -= lr * wd * p`, after it).
 enum Decay : int { kNoDecay = 0, kL2 = 1, kDecoupled = 2 };
 
-OSA_MULTIVERSIONED void AddRow(
+OSA_MULTIVERSIONED inline void AddRow(
     float* __restrict__ dst, const float* __restrict__ src, int64_t row_size) {
   for (int64_t j = 0; j < row_size; ++j) dst[j] += src[j];
 }
@@ -397,7 +398,7 @@ int64_t RowSize(size_t count, int64_t num_rows) {
 }
 
 // Copies a table into XLA's output buffer where they differ (no donation).
-void CopyIfNotAliased(const ffi::AnyBuffer& in, ffi::Result<ffi::AnyBuffer>& out) {
+inline void CopyIfNotAliased(const ffi::AnyBuffer& in, ffi::Result<ffi::AnyBuffer>& out) {
   if (out->untyped_data() != in.untyped_data()) {
     std::memcpy(out->untyped_data(), in.untyped_data(), in.size_bytes());
   }
@@ -575,7 +576,7 @@ void CoalescedRowsStep(const int32_t* rows, int64_t nse, const T* values, int64_
 // The sum of a row's `row_size` values in `scratch`, added pairwise in
 // `rowwise_adam.pairwise_row_sum`'s order: halves added until one value is
 // left, an odd last value carried along. Overwrites `scratch`.
-float PairwiseSum(float* scratch, int64_t row_size) {
+inline float PairwiseSum(float* scratch, int64_t row_size) {
   if (row_size == 0) return 0.0f;
   int64_t width = row_size;
   while (width > 1) {
