@@ -23,7 +23,7 @@ from jax.experimental import sparse
 
 import optax_sparse_adam as osa
 from optax_sparse_adam._backends.cpu import kernels
-from tests._helpers import assert_paths_agree, cpu_only, on_path, tiered, train_step
+from tests._helpers import STEP_PATHS, assert_paths_agree, cpu_only, on_path, tiered, train_step
 
 ROWS, DIM, NSE, STEPS = 30, 6, 12, 4
 
@@ -173,8 +173,15 @@ def test_matches_fbgemm_formula(name, jit):
 LAYOUTS = {"n_dense_0": (40,), "n_dense_2": (20, 3, 5), "odd_row": (25, 13)}
 
 
-@pytest.mark.parametrize("path", ["default", "xla_ops", "accelerator"])
-@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+LAYOUT_PATHS = [(layout, path) for layout in sorted(LAYOUTS) for path in STEP_PATHS]
+
+
+# Each layout and each path once in the default tier (a diagonal), the crossings slow.
+@pytest.mark.parametrize(
+  "layout, path",
+  tiered(LAYOUT_PATHS, lambda c: STEP_PATHS.index(c[1]) != sorted(LAYOUTS).index(c[0])),
+  ids=[f"{layout}-{path}" for layout, path in LAYOUT_PATHS],
+)
 def test_every_layout_and_path_matches_fbgemm_formula(layout, path):
   shape = LAYOUTS[layout]
   param = _initial(shape)

@@ -16,6 +16,7 @@ flax = pytest.importorskip("flax")
 from flax import nnx  # noqa: E402
 
 import optax_sparse_adam as osa  # noqa: E402
+from tests._helpers import tiered  # noqa: E402
 
 ROWS, DIM, BAGS = 40, 4, 5
 
@@ -42,9 +43,18 @@ def _ragged_batch(rng, num_ids):
   return ids, np.concatenate([[0], cuts]).astype(np.int32), rng.normal(size=BAGS)
 
 
-@pytest.mark.parametrize("mode,include_last_offset", [("sum", False), ("mean", True)])
-@pytest.mark.parametrize("make", [lambda: osa.sparse_sgd(0.1), lambda: osa.sparse_adagrad(0.1)])
-def test_padded_bags_step_bit_for_bit_as_unpadded(mode, include_last_offset, make):
+OPTIMIZERS = {"sgd": lambda: osa.sparse_sgd(0.1), "adagrad": lambda: osa.sparse_adagrad(0.1)}
+BAG_CASES = [(m, last, name) for m, last in (("sum", False), ("mean", True)) for name in OPTIMIZERS]
+
+
+# Each bag form and each optimizer in the default tier (sum with SGD, mean with Adagrad).
+@pytest.mark.parametrize(
+  "mode, include_last_offset, optimizer",
+  tiered(BAG_CASES, lambda case: case[2] != ("sgd" if case[0] == "sum" else "adagrad")),
+  ids=[f"{m}-{name}" for m, _, name in BAG_CASES],
+)
+def test_padded_bags_step_bit_for_bit_as_unpadded(mode, include_last_offset, optimizer):
+  make = OPTIMIZERS[optimizer]
   model = osa.SparseEmbedBag(
     ROWS, DIM, mode=mode, include_last_offset=include_last_offset, rngs=nnx.Rngs(0)
   )
