@@ -51,7 +51,10 @@ def _assert_same(a, b):
     np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
 
 
-@pytest.mark.parametrize("use_jit", [False, True], ids=["eager", "jit"])
+# Eagerly (op by op under vmap) in the slow tier; jitted in the default one.
+@pytest.mark.parametrize(
+  "use_jit", [pytest.param(False, marks=pytest.mark.slow), True], ids=["eager", "jit"]
+)
 def test_vmap_of_update_and_apply_updates_equals_a_loop(use_jit):
   """`jax.vmap(opt.update)`, `jax.vmap(osa.apply_updates)` (kernels on): as a loop over models."""
   rng = np.random.default_rng(0)

@@ -41,6 +41,9 @@ SLOW_RUNS = frozenset(
     "auto/replicated_batch_of_250",
     "auto_default/column_table",
     "auto_default/rowwise_column_table",
+    # Evenly spread ids at a capacity factor of 1 (none overflow: the default tier's
+    # auto_default/all_options run counts that).
+    "explicit/plain/spread_to_all/cf1",
   }
 )
 # The Flax front ends of the routed step beside the NNX table (`flax_nnx`, default tier) and

@@ -141,6 +141,9 @@ def test_single_device_state_is_unchanged_by_sharding_support():
   assert sharding.explicit_axes() == ()
 
 
+# Two processes under jax.distributed (20 s of two interpreters compiling): the slow tier;
+# the forced-device runs above check the same sharded step in one process.
+@pytest.mark.slow
 def test_two_processes_with_jax_distributed_match_one_device():
   """jax.distributed over 2 local processes (gloo CPU collectives), 4 CPU devices each."""
   done = subprocess.run(

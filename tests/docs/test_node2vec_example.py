@@ -49,7 +49,10 @@ def test_walks_and_pairs_keep_to_the_training_edges():
   assert {frozenset(p) for p in pairs.tolist() if p[0] != p[1]} >= steps
 
 
-@pytest.mark.parametrize("catch_up", [False, True], ids=["lazy", "catch-up"])
+# The catch-up variant in the slow tier: the catch-up step is checked in tests/core.
+@pytest.mark.parametrize(
+  "catch_up", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["lazy", "catch-up"]
+)
 def test_a_short_run_learns_the_communities_and_the_held_out_links(catch_up):
   done = subprocess.run(
     [sys.executable, str(SCRIPT), *SHORT, *(["--catch-up"] if catch_up else [])],
