@@ -103,7 +103,8 @@ RULES = {
 }
 
 
-# The default tier runs three (per-row state, set rows, max_norm with an empty table).
+# The default tier runs two: Adam with per-row state (AMSGrad, L2, per-row bias
+# correction) and row-wise Adagrad (a per-row slot, max_norm, an empty table).
 SLOW_RULES = ("adamw_maximize_catch_up", "adam_bf16_stochastic", "sgd_momentum", "ftrl")
 
 

@@ -240,9 +240,7 @@ def sparse_case(draw):
   return shape, n_sparse, nse, pad, seed, hp
 
 
-@settings(max_examples=30)
-@given(sparse_case())
-def test_random_layouts_match_reference(case):
+def _random_layouts_match_reference(case):
   shape, n_sparse, nse, pad, seed, hp = case
   rng = np.random.default_rng(seed)
   params = jnp.asarray(rng.normal(size=shape), jnp.float32)
@@ -256,6 +254,15 @@ def test_random_layouts_match_reference(case):
     ref.step(idx, data)
   np.testing.assert_allclose(np.asarray(params), ref.param, rtol=5e-6, atol=1e-6)
   np.testing.assert_allclose(np.asarray(state.nu), ref.exp_avg_sq, rtol=5e-6, atol=1e-7)
+
+
+# A quick pass in the default tier, more examples in the slow one (each compiles its shapes).
+test_random_layouts_match_reference = settings(max_examples=12)(
+  given(sparse_case())(_random_layouts_match_reference)
+)
+test_random_layouts_match_reference_soak = pytest.mark.slow(
+  settings(max_examples=30)(given(sparse_case())(_random_layouts_match_reference))
+)
 
 
 def test_int64_indices_past_int32_are_padding_not_wrapped():
