@@ -66,3 +66,25 @@ def _fresh_ragged_id_counts():
 
   ragged.reset_traced_ids()
   yield
+
+
+# The longest files, each one work unit of `--dist loadfile` (a subprocess of forced
+# devices, an example run against torch, many compiled snippets): scheduled first, so that
+# neither worker is left running one of them alone at the end of the session.
+FIRST_FILES = (
+  "tests/core/test_routed.py",
+  "tests/flax/test_dlrm_example.py",
+  "tests/docs/test_snippets.py",
+  "tests/flax/test_patterns.py",
+  "tests/core/test_sharding.py",
+)
+
+
+def pytest_collection_modifyitems(items):
+  """Moves the items of `FIRST_FILES` to the front, in that order; the rest keep theirs."""
+  rank = {path: i for i, path in enumerate(FIRST_FILES)}
+
+  def first(item):
+    return rank.get(item.nodeid.split("::", 1)[0], len(FIRST_FILES))
+
+  items.sort(key=first)  # stable: the order within a file and among the others is kept
