@@ -291,10 +291,15 @@ def params_exact(params: Any) -> bool:
 
 
 def compile_jaxpr(
-  jaxpr: Any, row_shape: tuple[int, ...], num_slots: int, num_scalars: int, jit: bool
+  jaxpr: Any,
+  row_shape: tuple[int, ...],
+  num_slots: int,
+  num_scalars: int,
+  jit: bool,
+  zero_scalar: int,
 ) -> Program:
   """The program of `jaxpr` (of g, param, the slots, then the scalars; to the rows and the
-  slots' new rows), or `Refused`."""
+  slots' new rows), or `Refused`. Scalar `zero_scalar` is the rounding zero."""
   c = _Compiler(row_shape, jit)
   inputs = [c.new(False) for _ in range(_INPUT_REGS + num_slots)]
   scalars = [c.emit(_SCALAR, True, k) for k in range(num_scalars)]
@@ -305,10 +310,35 @@ def compile_jaxpr(
   outs = [c.emit(_COPY, c.uniform[r], r) if r in fixed else r for r in outs]
   if jit:
     c.contract(outs)
+  outs = _without_barriers(c, scalars[zero_scalar], outs, fixed)
   num_regs, prologue, row_ops, outs = _allocated(c, len(inputs), outs)
   header = (num_regs, len(prologue), len(row_ops), outs[0], num_slots, *outs[1:])
   code = header + tuple(v for op in (*prologue, *row_ops) for v in op)
   return Program(tuple(int(v) for v in code), num_scalars)
+
+
+def _without_barriers(c: _Compiler, zero: int, outs: list[int], fixed: set[int]) -> list[int]:
+  """The program without `adam.rounded`'s XORs with the rounding zero (identities on the
+  bits, which kept XLA from contracting products: decided above); returns the outputs."""
+  alias: dict[int, int] = {}
+  for ops in (c.prologue, c.row_ops):
+    for op in ops:
+      if op[0] == _BITS["xor"] and zero in (op[2], op[3]):
+        alias[op[1]] = op[3] if op[2] == zero else op[2]
+
+  def source(r: int) -> int:
+    while r in alias:
+      r = alias[r]
+    return r
+
+  for ops in (c.prologue, c.row_ops):
+    ops[:] = [op for op in ops if op[1] not in alias]
+    for op in ops:
+      n = len(_reads(op))
+      op[2 : 2 + n] = [source(r) for r in op[2 : 2 + n]]
+  outs = [source(r) for r in outs]
+  # An output aliased back to an input (a rule returning a rounded input) is copied.
+  return [c.emit(_COPY, c.uniform[r], r) if r in fixed else r for r in outs]
 
 
 def _reads(op: Sequence[int]) -> list[int]:
