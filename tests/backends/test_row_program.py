@@ -130,8 +130,21 @@ def _assert_same_bits(ours, reference):
     np.testing.assert_array_equal(_bits(leaf), _bits(xla_leaf))
 
 
-@pytest.mark.parametrize("use_jit", [True, False], ids=["jit", "eager"])
-@pytest.mark.parametrize("name", sorted(OPTS))
+# The default tier runs every rule jitted and FTRL with every option eagerly; the slow tier
+# the other eager runs.
+CASES = [
+  pytest.param(
+    name,
+    use_jit,
+    id=f"{name}-{'jit' if use_jit else 'eager'}",
+    marks=[pytest.mark.slow] if not use_jit and name != "ftrl_all_options" else [],
+  )
+  for name in sorted(OPTS)
+  for use_jit in (True, False)
+]
+
+
+@pytest.mark.parametrize(("name", "use_jit"), CASES)
 def test_the_row_program_equals_the_xla_ops_bit_for_bit(name, use_jit):
   ours, hlo = _run(OPTS[name](), choice.GENERIC_KERNELS, use_jit=use_jit)
   reference, _ = _run(OPTS[name](), choice.GENERIC_XLA, use_jit=use_jit)
