@@ -4,8 +4,9 @@ A rule without a fused kernel whose `update` is elementwise runs on the CPU as
 one generic kernel interpreting the rule's traced math. Checked here against
 the XLA ops (`GENERIC_XLA`) in every bit, jitted (and donated) and eagerly, over
 three steps with repeated rows, padding and a -0.0: FTRL with and without its
-options (its divisions by the learning rate, which XLA turns into products by
-its inverse and contracts into a sum under jit), and a rule written in this
+options and a scheduled learning rate (its divisions by the learning rate, which
+XLA turns into products by its inverse where it is known when the step is
+compiled, and contracts into a sum under jit), and a rule written in this
 file (max, min, abs, a division). A rule with a primitive the program does not
 know (`exp`; FTRL's `pow` for a power other than -0.5) or a product of its own
 summed unrounded runs the generic kernels instead, says so
@@ -18,6 +19,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from jax.experimental import sparse
 
@@ -97,6 +99,9 @@ OPTS = {
     beta=0.3,
     maximize=True,
   ),
+  "ftrl_schedule": lambda: osa.sparse_ftrl(
+    optax.linear_schedule(0.2, 0.1, 5), l2_regularization_strength=0.01
+  ),
   "user_clipped_sign": lambda: osa.sparse_rule_transformation(UserClippedSign(), ClipHyper(0.1)),
 }
 FALLBACK = {
@@ -137,7 +142,9 @@ CASES = [
     name,
     use_jit,
     id=f"{name}-{'jit' if use_jit else 'eager'}",
-    marks=[pytest.mark.slow] if not use_jit and name != "ftrl_all_options" else [],
+    marks=[pytest.mark.slow]
+    if not use_jit and name not in ("ftrl_all_options", "ftrl_schedule")
+    else [],
   )
   for name in sorted(OPTS)
   for use_jit in (True, False)

@@ -131,7 +131,10 @@ def _hyper_key(hyper: Any) -> tuple[tuple, Any] | str:
     if isinstance(leaf, jax.Array | np.ndarray | np.generic) and not isinstance(leaf, float):
       if np.shape(leaf) != () or jnp.dtype(leaf.dtype) != _F32:
         return f"a hyper-parameter of shape {np.shape(leaf)} and dtype {leaf.dtype}"
-      key.append(("array", None))
+      if isinstance(leaf, jax.core.Tracer):
+        key.append(("array", None))
+      else:  # known now: XLA sees a constant (a division by it becomes a product)
+        key.append(("value", np.float32(leaf)))
     elif isinstance(leaf, bool | int | float):
       key.append(("value", leaf))
     else:
@@ -185,7 +188,7 @@ def masked_step(inputs: StepInputs, plan: StepPlan, *, jit: bool = True) -> Rows
   tables = inputs.tables
   slots = [tables.slots[slot.name] for slot in rule.slots()]
   leaves = jax.tree.leaves(inputs.hyper)
-  arrays = [leaf for leaf in leaves if isinstance(leaf, jax.Array | np.ndarray | np.generic)]
+  arrays = [leaf for leaf in leaves if isinstance(leaf, jax.core.Tracer)]
   zero = jnp.zeros((), jnp.int32) if inputs.opaque_zero is None else inputs.opaque_zero
   scalars = [lax.bitcast_convert_type(jnp.asarray(a, jnp.float32), jnp.uint32) for a in arrays]
   scalars.append(lax.bitcast_convert_type(jnp.asarray(zero, jnp.int32), jnp.uint32))
