@@ -18,6 +18,7 @@ setup(
         "optax_sparse_adam/_backends/cpu/row_store.cc",
         "optax_sparse_adam/_backends/cpu/row_gather.cc",
         "optax_sparse_adam/_backends/cpu/row_round.cc",
+        "optax_sparse_adam/_backends/cpu/row_program.cc",
       ],
       # Shared by the sources; listed so that the sdist carries it and edits rebuild.
       depends=["optax_sparse_adam/_backends/cpu/ffi_common.h"],

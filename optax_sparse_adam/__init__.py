@@ -12,6 +12,7 @@ from optax_sparse_adam._backends.cpu.huge_pages import HugePageAdvice as HugePag
 from optax_sparse_adam._backends.cpu.huge_pages import advise_huge_pages as advise_huge_pages
 from optax_sparse_adam._backends.cpu.kernels import available as cpu_kernels_available
 from optax_sparse_adam._backends.cpu.kernels import use_cpu_kernels as use_cpu_kernels
+from optax_sparse_adam._backends.cpu.row_program import report as row_program_report
 from optax_sparse_adam._core.coalesce import coalesce_rows as coalesce_rows
 from optax_sparse_adam._core.ragged import RaggedIdsWarning as RaggedIdsWarning
 from optax_sparse_adam._core.ragged import bucket_size as bucket_size
@@ -128,6 +129,7 @@ __all__ = (
   "reset_rows",
   "pad_ids",
   "routing_stats",
+  "row_program_report",
   "rows_delta",
   "sharded_lookup",
   "sharded_routing",

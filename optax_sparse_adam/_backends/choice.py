@@ -32,11 +32,15 @@ class PathChoice(NamedTuple):
     batch_tables: private, for tests and benchmarks: where the accelerator step
       runs, step the sparse tables of one update through one sort
       (`table_batched`); False: each table through its own.
+    row_program: private, for tests and benchmarks: run a rule without a fused
+      kernel on the row program where it applies (`cpu/row_program.py`); False:
+      on the generic kernels around its math in XLA ops.
   """
 
   cpu_kernels: bool | None = None
   forced: str | None = None
   batch_tables: bool = True
+  row_program: bool = True
 
 
 def _check(choice: PathChoice) -> None:
@@ -44,6 +48,8 @@ def _check(choice: PathChoice) -> None:
     raise ValueError(f"forced path {choice.forced!r}; expected one of {_PATHS} or None")
   if not isinstance(choice.batch_tables, bool):
     raise TypeError(f"batch_tables must be a bool, got {choice.batch_tables!r}")
+  if not isinstance(choice.row_program, bool):
+    raise TypeError(f"row_program must be a bool, got {choice.row_program!r}")
 
 
 _SWITCH = Switch(PathChoice(), _check)

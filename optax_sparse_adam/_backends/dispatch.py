@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from optax_sparse_adam._backends import accelerator, choice, one_device, table_batched, xla
-from optax_sparse_adam._backends.cpu import kernels, row_round
+from optax_sparse_adam._backends.cpu import kernels, row_program, row_round
 from optax_sparse_adam._backends.protocol import StepBackend
 from optax_sparse_adam._core import bcoo, coalesce, rounding
 from optax_sparse_adam._core.bcoo import RowLayout
@@ -112,6 +112,12 @@ def _bind(inputs: StepInputs, plan: StepPlan) -> _Bound:
       rounds = plan.config.param_rounding == "stochastic"
       return runs(_kernel_then_rounded if rounds else kernels.in_values_dtype)
     if kernels.generic_step_applies(inputs, plan):
+      # Under jit XLA contracts the rule's products into sums; op by op it does not.
+      jit = isinstance(inputs.values, jax.core.Tracer)
+      if kernels.gathers(inputs.values) and row_program.refusal(inputs, plan, jit=jit) is None:
+        # An elementwise rule: its traced math run on each coalesced row by the generic
+        # row program kernel, in the pass that coalesces, reads and stores the rows.
+        return runs(functools.partial(row_program.masked_step, jit=jit))
       # Any rule: the rows coalesced and gathered by the generic kernel, the rule's math in
       # XLA ops, its tables' rows stored in place by the generic kernel.
       return runs(

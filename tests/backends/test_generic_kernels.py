@@ -3,10 +3,11 @@
 Any rule runs on the CPU as: the rows coalesced and every table's rows gathered
 by one generic kernel, the rule's own math traced by XLA, the rows stored in
 place by the generic store. Checked here with the hand-fused kernels switched
-off (the private `GENERIC_KERNELS` path) against the XLA ops (`GENERIC_XLA`),
-in every bit, over several jitted, donated steps with repeated and padding
-rows: SGD with and without momentum, Adagrad, row-wise Adagrad, FTRL, Adam's
-options and a rule written in a test file; the coalescing and gathering kernel
+off (the private `GENERIC_KERNELS` path; FTRL there runs the row program:
+`test_row_program.py`) against the XLA ops (`GENERIC_XLA`), in every bit,
+over several jitted, donated steps with repeated and padding rows: SGD with
+and without momentum, Adagrad, row-wise Adagrad, FTRL, Adam's options and a
+rule written in a test file; the coalescing and gathering kernel
 alone against `coalesce.coalesce_and_gather_rows` for tables of every dtype;
 and that the compiled step runs the generic kernels with no table-sized
 temporary or copy.
@@ -146,7 +147,8 @@ def test_the_compiled_generic_step_runs_the_kernels_with_no_table_copy(name):
   opt = OPTS[name]()
   params = {"t": jnp.zeros((NUM_ROWS, DIM))}
   grads = {"t": _grad((NUM_ROWS, DIM), 1, np.random.default_rng(0))}
-  with choice.choose(forced=choice.GENERIC_KERNELS):
+  # FTRL runs the row program by default (test_row_program.py); here, the gather path.
+  with choice.choose(forced=choice.GENERIC_KERNELS, row_program=False):
     jitted = jax.jit(train_step(opt), donate_argnums=(0, 1))
     hlo = jitted.lower(params, opt.init(params), grads).compile().as_text()
   assert _table_copies(hlo) == []

@@ -43,7 +43,7 @@ import jax
 import jax.numpy as jnp
 
 from optax_sparse_adam._backends import choice
-from optax_sparse_adam._backends.cpu import moment_steps, rule_steps
+from optax_sparse_adam._backends.cpu import moment_steps, row_program, rule_steps
 from optax_sparse_adam._core import rules
 from optax_sparse_adam._core.bcoo import CoalescedRows, RowLayout
 from optax_sparse_adam._core.coalesce import Coalesced
@@ -127,7 +127,7 @@ def available() -> bool:
     jax.ffi.register_ffi_target(
       moment_steps.ENTRY_STEPS, jax.ffi.pycapsule(library.OsaEntryStepsS32), platform="cpu"
     )
-    for target, symbol in rule_steps.TARGETS.items():
+    for target, symbol in (*rule_steps.TARGETS.items(), *row_program.TARGETS.items()):
       jax.ffi.register_ffi_target(
         target, jax.ffi.pycapsule(getattr(library, symbol)), platform="cpu"
       )

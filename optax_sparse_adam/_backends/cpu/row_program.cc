@@ -1,0 +1,354 @@
+// The row program kernel: any elementwise rule's step in one pass, with no
+// per-rule C++ (`row_program.py` compiles the rule's traced `update` into the
+// op list this interprets).
+//
+// The gradient's rows are coalesced as every kernel coalesces them
+// (`ffi_common.h`: each row's entries summed in input order from +0.0), and on
+// each distinct row the program runs over row-wide registers: register 0 holds
+// the row's summed gradient, 1 the parameter's row, 2.. each slot's row (read
+// in place), then the program's values. Ops on values that are the same for
+// every row (the hyper-parameters, constants and what is computed from them
+// alone) run once a call, before the rows (the prologue). At the end of a row
+// the new slot rows are written into the slot tables in place (aliased to the
+// outputs: donated tables are not copied) and the rule's rows (deltas, or new
+// values for a rule that sets rows) into the output; padding rows are zero.
+//
+// Each op is one IEEE float32 operation, as XLA computes it: the kernels are
+// compiled without contraction (every product rounded), and the Python side
+// refuses a rule where XLA could contract, so the program's rows equal the
+// XLA ops' bit for bit (tests/backends/test_row_program.py).
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "ffi_common.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace {
+
+// `row_program.py`'s op codes. Each op is 5 int32s: code, dst, a, b, c.
+enum OpCode : int32_t {
+  kConst = 0,    // dst = the float32 (or 32-bit) value with bits a
+  kScalar = 1,   // dst = scalars[a]
+  kCopy = 2,     // dst = a
+  kAdd = 3,
+  kSub = 4,
+  kMul = 5,
+  kDiv = 6,
+  kMax = 7,      // XLA's: a where a >= b or a is NaN, else b
+  kMin = 8,      // XLA's: a where a <= b or a is NaN, else b
+  kNeg = 9,      // the sign bit flipped (NaNs too, as XLA)
+  kAbs = 10,     // the sign bit cleared
+  kSqrt = 11,
+  kSign = 12,    // XLA's: NaN stays, +-0 stays, else +-1
+  kXor = 13,     // on the bits
+  kAnd = 14,
+  kOr = 15,
+  kLt = 16,      // comparisons give 1 or 0 (a bool lane); NaN: false but for ne
+  kLe = 17,
+  kGt = 18,
+  kGe = 19,
+  kEq = 20,
+  kNe = 21,
+  kSelect = 22,  // dst = a ? c : b (`lax.select_n(a, b, c)`)
+  kNot = 23,     // a bool lane negated
+  kBoolToF32 = 24,
+  kFma = 25,     // fma(a, b, c): XLA:CPU's contraction of a product into its one sum
+  kFms = 26,     // fma(a, b, -c)
+  kFnma = 27,    // fma(-a, b, c)
+  kNumOps = 28,
+};
+constexpr int64_t kOpWidth = 5;
+constexpr int64_t kHeader = 5;  // num_regs, num_prologue_ops, num_row_ops, out_reg, num_slots
+constexpr int64_t kInputRegs = 2;  // the gradient's and the parameter's rows; then the slots
+
+struct Op {
+  int32_t code, dst, a, b, c;
+};
+
+// Register lanes are 32 bits read as float32 by the arithmetic and as bits by the
+// others: types that may alias each other.
+typedef float __attribute__((may_alias)) LaneF;
+typedef uint32_t __attribute__((may_alias)) LaneU;
+
+// `d[j] = f(a[j])` and `d[j] = f(a[j], b[j])`, inlined into each clone of `RunOps`
+// (so their loops take the clone's vector width).
+template <typename D, typename S, typename F>
+inline __attribute__((always_inline)) void Map(D* __restrict__ d, const S* __restrict__ a,
+                                               int64_t n, F f) {
+  for (int64_t j = 0; j < n; ++j) d[j] = f(a[j]);
+}
+template <typename D, typename S, typename F>
+inline __attribute__((always_inline)) void Map(D* __restrict__ d, const S* __restrict__ a,
+                                               const S* __restrict__ b, int64_t n, F f) {
+  for (int64_t j = 0; j < n; ++j) d[j] = f(a[j], b[j]);
+}
+
+// Runs `num_ops` ops over `n` lanes; `reg[k]` holds register k's lanes.
+OSA_MULTIVERSIONED void RunOps(const Op* ops, int64_t num_ops, uint32_t* const* reg, int64_t n,
+                               const uint32_t* scalars) {
+  for (int64_t i = 0; i < num_ops; ++i) {
+    const Op op = ops[i];
+    LaneU* du = reg[op.dst];
+    LaneF* df = reinterpret_cast<LaneF*>(du);
+    // kConst's and kScalar's `a` is a value, not a register.
+    const bool reads = op.code != kConst && op.code != kScalar;
+    const LaneU* au = reads ? reg[op.a] : nullptr;
+    const LaneU* bu = reg[op.b];
+    const LaneU* cu = reg[op.c];
+    const LaneF* af = reinterpret_cast<const LaneF*>(au);
+    const LaneF* bf = reinterpret_cast<const LaneF*>(bu);
+    const LaneF* cf = reinterpret_cast<const LaneF*>(cu);
+    switch (op.code) {
+      case kConst:
+      case kScalar: {
+        const uint32_t v = op.code == kConst ? static_cast<uint32_t>(op.a) : scalars[op.a];
+        for (int64_t j = 0; j < n; ++j) du[j] = v;
+        break;
+      }
+      case kCopy: std::memcpy(du, au, sizeof(uint32_t) * n); break;
+      case kAdd: Map(df, af, bf, n, [](float x, float y) { return x + y; }); break;
+      case kSub: Map(df, af, bf, n, [](float x, float y) { return x - y; }); break;
+      case kMul: Map(df, af, bf, n, [](float x, float y) { return x * y; }); break;
+      case kDiv: Map(df, af, bf, n, [](float x, float y) { return x / y; }); break;
+      case kMax: Map(df, af, bf, n, [](float x, float y) { return (x >= y || x != x) ? x : y; });
+        break;
+      case kMin: Map(df, af, bf, n, [](float x, float y) { return (x <= y || x != x) ? x : y; });
+        break;
+      case kNeg: Map(du, au, n, [](uint32_t x) { return x ^ 0x80000000u; }); break;
+      case kAbs: Map(du, au, n, [](uint32_t x) { return x & 0x7FFFFFFFu; }); break;
+      case kSqrt: Map(df, af, n, [](float x) { return std::sqrt(x); }); break;
+      case kSign:
+        Map(du, au, n, [](uint32_t x) {
+          const float f = WithBits(x);
+          const uint32_t one_or_zero = f != 0.0f ? 0x3F800000u : 0u;  // 1.0f or +0.0f
+          return f != f ? x : (one_or_zero | (x & 0x80000000u));
+        });
+        break;
+      case kXor: Map(du, au, bu, n, [](uint32_t x, uint32_t y) { return x ^ y; }); break;
+      case kAnd: Map(du, au, bu, n, [](uint32_t x, uint32_t y) { return x & y; }); break;
+      case kOr: Map(du, au, bu, n, [](uint32_t x, uint32_t y) { return x | y; }); break;
+      case kLt: Map(du, af, bf, n, [](float x, float y) { return uint32_t{x < y}; }); break;
+      case kLe: Map(du, af, bf, n, [](float x, float y) { return uint32_t{x <= y}; }); break;
+      case kGt: Map(du, af, bf, n, [](float x, float y) { return uint32_t{x > y}; }); break;
+      case kGe: Map(du, af, bf, n, [](float x, float y) { return uint32_t{x >= y}; }); break;
+      case kEq: Map(du, af, bf, n, [](float x, float y) { return uint32_t{x == y}; }); break;
+      case kNe: Map(du, af, bf, n, [](float x, float y) { return uint32_t{x != y}; }); break;
+      case kSelect: {
+        LaneU* __restrict__ out = du;
+        const LaneU* __restrict__ pred = au;
+        const LaneU* __restrict__ if_false = bu;
+        const LaneU* __restrict__ if_true = cu;
+        for (int64_t j = 0; j < n; ++j) out[j] = pred[j] != 0 ? if_true[j] : if_false[j];
+        break;
+      }
+      case kNot: Map(du, au, n, [](uint32_t x) { return x ^ 1u; }); break;
+      case kBoolToF32: Map(df, au, n, [](uint32_t x) { return x != 0 ? 1.0f : 0.0f; }); break;
+      case kFma:
+      case kFms:
+      case kFnma: {
+        LaneF* __restrict__ out = df;
+        const LaneF* __restrict__ x = af;
+        const LaneF* __restrict__ y = bf;
+        const LaneF* __restrict__ z = cf;
+        const float sign_x = op.code == kFnma ? -1.0f : 1.0f;  // exact: a sign flip
+        const float sign_z = op.code == kFms ? -1.0f : 1.0f;
+        for (int64_t j = 0; j < n; ++j) out[j] = std::fma(sign_x * x[j], y[j], sign_z * z[j]);
+        break;
+      }
+      default: break;  // checked before the rows run
+    }
+  }
+}
+
+// A checked view of a program (`row_program.py`'s `Program.code`).
+struct Program {
+  int64_t num_regs, num_prologue, num_row_ops, out_reg, num_slots;
+  const int32_t* slot_regs;
+  const Op* prologue;
+  const Op* row_ops;
+  std::vector<char> uniform;  // whether a register is written by the prologue
+};
+
+ffi::Error ReadProgram(ffi::Span<const int32_t> code, int64_t num_slots, int64_t num_scalars,
+                       Program& p) {
+  const int64_t size = static_cast<int64_t>(code.size());
+  if (size < kHeader) return ffi::Error::InvalidArgument("the program has no header");
+  const int32_t* c = code.begin();
+  p.num_regs = c[0];
+  p.num_prologue = c[1];
+  p.num_row_ops = c[2];
+  p.out_reg = c[3];
+  p.num_slots = c[4];
+  if (p.num_slots != num_slots || p.num_regs < kInputRegs + num_slots || p.num_prologue < 0 ||
+      p.num_row_ops < 0 ||
+      size != kHeader + num_slots + kOpWidth * (p.num_prologue + p.num_row_ops)) {
+    return ffi::Error::InvalidArgument("the program's header does not match its call");
+  }
+  p.slot_regs = c + kHeader;
+  p.prologue = reinterpret_cast<const Op*>(c + kHeader + num_slots);
+  p.row_ops = p.prologue + p.num_prologue;
+  p.uniform.assign(p.num_regs, 0);
+  const auto valid = [&](int64_t r) { return r >= 0 && r < p.num_regs; };
+  for (int64_t i = 0; i < p.num_prologue + p.num_row_ops; ++i) {
+    const Op& op = p.prologue[i];
+    if (op.code < 0 || op.code >= kNumOps || !valid(op.dst) || op.dst < kInputRegs + num_slots) {
+      return ffi::Error::InvalidArgument("the program has an unknown op or register");
+    }
+    const bool reads_a = op.code != kConst && op.code != kScalar;
+    if ((reads_a && !valid(op.a)) || !valid(op.b) || !valid(op.c) ||
+        (op.code == kScalar && (op.a < 0 || op.a >= num_scalars))) {
+      return ffi::Error::InvalidArgument("the program reads an unknown register or scalar");
+    }
+    if (i < p.num_prologue) p.uniform[op.dst] = 1;
+  }
+  if (!valid(p.out_reg)) return ffi::Error::InvalidArgument("the program's output is unknown");
+  for (int64_t k = 0; k < num_slots; ++k) {
+    if (!valid(p.slot_regs[k])) return ffi::Error::InvalidArgument("a slot's output is unknown");
+  }
+  return ffi::Error::Success();
+}
+
+// Rows a program runs on at once: its ops run over kBlockRows * row_size lanes.
+constexpr int64_t kBlockRows = 8;
+
+// Inputs: rows s32 (nse,), values (f32, bf16 or f16, (nse, ...)), param f32 (its own
+// shape; empty where the rule does not read it), scalars u32 (the program's scalars'
+// bits), then each slot table (f32, the parameter's shape). Attributes: num_rows, program.
+// Outputs: the distinct rows then padding, the rows' results (f32), each slot table
+// (aliased to its input).
+//
+// Two passes: the rows coalesced, their gradients summed into the output (the table
+// rows they touch prefetched); then, in blocks of kBlockRows distinct rows, the table
+// rows copied into the block's registers, the program run over the block, and the
+// new rows copied back.
+ffi::Error RowProgramImpl(ffi::Buffer<ffi::S32> rows, ffi::AnyBuffer values,
+                          ffi::Buffer<ffi::F32> param, ffi::Buffer<ffi::U32> scalars,
+                          ffi::RemainingArgs slots, int64_t num_rows,
+                          ffi::Span<const int32_t> code, ffi::ThreadPool pool,
+                          ffi::ResultBuffer<ffi::S32> distinct_rows,
+                          ffi::ResultBuffer<ffi::F32> out, ffi::RemainingRets slots_out) {
+  const int64_t nse = static_cast<int64_t>(rows.element_count());
+  if (nse == 0 || num_rows <= 0) return ffi::Error::InvalidArgument("no entries or no rows");
+  const int64_t row_size = RowSize(values.element_count(), nse);
+  if (row_size <= 0) return ffi::Error::InvalidArgument("values must hold nse rows");
+  const int64_t num_slots = static_cast<int64_t>(slots.size());
+  if (static_cast<int64_t>(slots_out.size()) != num_slots) {
+    return ffi::Error::InvalidArgument("one output per slot table");
+  }
+  Program p;
+  if (ffi::Error e = ReadProgram(code, num_slots, scalars.element_count(), p); e.failure()) {
+    return e;
+  }
+  const bool has_param = param.element_count() != 0;
+  if (has_param && static_cast<int64_t>(param.element_count()) != num_rows * row_size) {
+    return ffi::Error::InvalidArgument("param must hold num_rows rows of the values' size");
+  }
+  std::vector<float*> tables;  // the parameter (read only), then each slot (updated)
+  tables.push_back(has_param ? const_cast<float*>(param.typed_data()) : nullptr);
+  for (int64_t k = 0; k < num_slots; ++k) {
+    auto in = slots.get<ffi::AnyBuffer>(k);
+    auto result = slots_out.get<ffi::AnyBuffer>(k);
+    if (!in.has_value() || !result.has_value() || in->element_type() != ffi::DataType::F32 ||
+        static_cast<int64_t>(in->element_count()) != num_rows * row_size) {
+      return ffi::Error::InvalidArgument("each slot must be a float32 table of the param's rows");
+    }
+    CopyIfNotAliased(*in, *result);  // without donation XLA gives a fresh output buffer
+    tables.push_back(static_cast<float*>((*result)->untyped_data()));
+  }
+  const int64_t lanes = kBlockRows * row_size;
+  // The prologue: every row's uniform values, once, block-wide.
+  std::vector<uint32_t> uniform_lanes(p.num_regs * lanes);
+  std::vector<uint32_t*> uniform_reg(p.num_regs);
+  for (int64_t r = 0; r < p.num_regs; ++r) uniform_reg[r] = uniform_lanes.data() + r * lanes;
+  RunOps(p.prologue, p.num_prologue, uniform_reg.data(), lanes, scalars.typed_data());
+
+  float* g = out->typed_data();
+  int32_t* unique_rows = distinct_rows->typed_data();
+  const size_t row_bytes = sizeof(float) * row_size;
+  return WithValues(values, [&](const auto* vals) {
+    // `ForEachCoalescedRow`'s chunks of distinct rows, each chunk run in blocks.
+    std::vector<uint32_t> sorted_rows, position;
+    const int64_t n_in_range = SortRows(rows.typed_data(), nse, num_rows, sorted_rows, position);
+    const std::vector<int64_t> starts = RunStarts(sorted_rows, n_in_range);
+    const int64_t num_unique = static_cast<int64_t>(starts.size()) - 1;
+    const int64_t num_chunks = std::max<int64_t>(
+        1, std::min<int64_t>(num_unique, kChunksPerThread * (pool.num_threads() + 1)));
+    // One block of rows: the tables' rows copied into the input registers, the program
+    // run over the block, the new rows copied back.
+    const auto run_block = [&](int64_t begin, int64_t n, uint32_t** reg) {
+      reg[0] = reinterpret_cast<uint32_t*>(g + begin * row_size);  // the sums, in place
+      RunOps(p.row_ops, p.num_row_ops, reg, n * row_size, scalars.typed_data());
+      for (int64_t k = 0; k < num_slots; ++k) {
+        const char* result = reinterpret_cast<const char*>(reg[p.slot_regs[k]]);
+        for (int64_t i = 0; i < n; ++i) {
+          std::memcpy(tables[1 + k] + unique_rows[begin + i] * row_size, result + i * row_bytes,
+                      row_bytes);
+        }
+      }
+      std::memcpy(g + begin * row_size, reg[p.out_reg], row_bytes * n);
+    };
+    auto run_chunk = [&](int64_t chunk) {
+      const int64_t begin = num_unique * chunk / num_chunks;
+      const int64_t end = num_unique * (chunk + 1) / num_chunks;
+      thread_local std::vector<uint32_t> local;
+      thread_local std::vector<uint32_t*> reg;
+      local.resize(p.num_regs * lanes);
+      reg.resize(p.num_regs);
+      for (int64_t r = 0; r < p.num_regs; ++r) {
+        reg[r] = p.uniform[r] ? uniform_reg[r] : local.data() + r * lanes;
+      }
+      std::vector<uint32_t*> staged(reg.begin() + 1, reg.begin() + 1 + tables.size());
+      int64_t block_begin = begin;
+      for (int64_t s = begin; s < end; ++s) {
+        if (s + kPrefetchRows < end) {
+          const int64_t ahead = s + kPrefetchRows;
+          const int64_t row = sorted_rows[starts[ahead]];
+          for (const float* t : tables) {
+            if (t != nullptr) PrefetchRow(t + row * row_size, row_size);
+          }
+          PrefetchEntries(vals, position.data(), starts[ahead], starts[ahead + 1], row_size);
+        }
+        const int64_t row = sorted_rows[starts[s]];
+        unique_rows[s] = static_cast<int32_t>(row);
+        SumEntries(g + s * row_size, vals, position.data(), starts[s], starts[s + 1], row_size);
+        const int64_t i = s - block_begin;
+        for (size_t k = 0; k < tables.size(); ++k) {
+          float* into = reinterpret_cast<float*>(staged[k]) + i * row_size;
+          if (tables[k] == nullptr) {
+            std::memset(into, 0, row_bytes);
+          } else {
+            std::memcpy(into, tables[k] + row * row_size, row_bytes);
+          }
+        }
+        if (i + 1 == kBlockRows || s + 1 == end) {
+          run_block(block_begin, i + 1, reg.data());
+          block_begin = s + 1;
+        }
+      }
+    };
+    ParallelFor(pool, num_chunks, num_unique * row_size, run_chunk);
+    for (int64_t s = num_unique; s < nse; ++s) unique_rows[s] = static_cast<int32_t>(num_rows + s);
+    std::memset(g + num_unique * row_size, 0, row_bytes * (nse - num_unique));
+    return ffi::Error::Success();
+  });
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(OsaRowProgram, RowProgramImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U32>>()
+                                  .RemainingArgs()
+                                  .Attr<int64_t>("num_rows")
+                                  .Attr<ffi::Span<const int32_t>>("program")
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .RemainingRets());

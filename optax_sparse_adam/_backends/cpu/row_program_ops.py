@@ -1,0 +1,408 @@
+"""A rule's traced row math compiled to the row program's op list (`row_program.cc` runs it).
+
+`compile_jaxpr` translates a jaxpr of one row block (the gradient's, the
+parameter's and each slot's rows, then scalars) equation by equation into ops
+over row-wide registers: uniform values (scalars, constants) into a prologue
+run once a call, row values into the ops run on each row. It reproduces what
+XLA does to the same math: a division by a constant is a product by its
+inverse; under jit a product used only by one sum is contracted into it (an
+FMA). It refuses (`Refused`) any primitive the kernel does not know and any
+product of the rule's own summed unrounded (whether XLA contracts it depends
+on its fusions). Dead ops are dropped and row registers reused.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import jax.numpy as jnp
+import numpy as np
+from jax.extend import core as jex_core
+
+# Op codes: `OpCode` in row_program.cc (each op is 5 ints: code, dst, a, b, c).
+_CONST, _SCALAR, _COPY = 0, 1, 2
+_BINARY = {"add": 3, "sub": 4, "mul": 5, "div": 6, "max": 7, "min": 8}
+_UNARY = {"neg": 9, "abs": 10, "sqrt": 11, "sign": 12}
+_BITS = {"xor": 13, "and": 14, "or": 15}
+_COMPARE = {"lt": 16, "le": 17, "gt": 18, "ge": 19, "eq": 20, "ne": 21}
+_SELECT, _NOT, _BOOL_TO_F32 = 22, 23, 24
+# Fused multiply-adds, as XLA:CPU contracts a product into its one sum under jit:
+# a * b + c, a * b - c, c - a * b (each rounded once).
+_FMA, _FMS, _FNMA = 25, 26, 27
+OP_WIDTH = 5
+# Header: num_regs, num_prologue_ops, num_row_ops, out_reg, num_slots, then each slot's reg.
+_INPUT_REGS = 2  # 0: the row's summed gradient, 1: the parameter's row; then each slot's row
+
+_F32, _I32, _U32, _BOOL = (jnp.dtype(t) for t in (jnp.float32, jnp.int32, jnp.uint32, jnp.bool_))
+# Primitives that pass their operand's bits through (a no-op on 32-bit lanes).
+_PASS = ("copy", "copy_p", "optimization_barrier")
+
+
+class Program(NamedTuple):
+  """A compiled row program: the kernel's int32 op list, and how many scalars it reads."""
+
+  code: tuple[int, ...]
+  num_scalars: int
+
+
+class Refused(Exception):
+  """The rule's update has an equation the row program does not run (the message says which)."""
+
+
+class _Compiler:
+  """Translates a jaxpr of one row block into ops over registers of one row's width."""
+
+  def __init__(self, row_shape: tuple[int, ...], jit: bool):
+    self.row_shape = row_shape  # (n, *dense_shape): a row value; () is a uniform scalar
+    # XLA divides by a constant as a product with its inverse (under jit and op by op: the
+    # constant is part of the op), and under jit contracts a product into the one sum that
+    # uses it (an FMA); the program does the same.
+    self.jit = jit
+    self.value: dict[int, np.float32] = {}  # registers of constants known now (float32)
+    self.num_regs = 0
+    self.prologue: list[list[int]] = []  # ops on uniform values: run once a call
+    self.row_ops: list[list[int]] = []  # ops on row values: run on each row
+    self.reg: dict[Any, int] = {}
+    self.uniform: dict[int, bool] = {}
+    self.product: set[int] = set()  # registers holding an unrounded product
+    self.sums: list[tuple[int, int]] = []  # (a sum's register, its product operand)
+    self.inverse: set[int] = set()  # products by a constant's inverse (XLA's divisions)
+
+  def row_ops_or_prologue(self, dst: int) -> list[int]:
+    """The op that writes register `dst`."""
+    for op in self.prologue if self.uniform[dst] else self.row_ops:
+      if op[1] == dst:
+        return op
+    raise AssertionError(dst)
+
+  def contract(self, outs: Sequence[int]) -> None:
+    """Each sum of a product used by nothing else, as one FMA (XLA:CPU's contraction)."""
+    uses: dict[int, int] = {}
+    for op in (*self.prologue, *self.row_ops):
+      code = op[0]
+      read = [] if code in (_CONST, _SCALAR) else [op[2], op[3], op[4]]
+      arity = 1 if code in (_COPY, *_UNARY.values(), _NOT, _BOOL_TO_F32) else 2
+      arity = 3 if code in (_SELECT, _FMA, _FMS, _FNMA) else arity
+      for r in read[:arity]:
+        uses[r] = uses.get(r, 0) + 1
+    for r in outs:
+      uses[r] = uses.get(r, 0) + 1
+    for dst, product in self.sums:
+      if uses.get(product, 0) != 1 or self.uniform[product] != self.uniform[dst]:
+        continue
+      op = self.row_ops_or_prologue(dst)
+      mul = self.row_ops_or_prologue(product)
+      x, y = mul[2], mul[3]
+      if op[0] == _BINARY["add"]:
+        other = op[3] if op[2] == product else op[2]
+        op[:] = [_FMA, dst, x, y, other]
+      elif op[2] == product:  # product - c
+        op[:] = [_FMS, dst, x, y, op[3]]
+      else:  # c - product
+        op[:] = [_FNMA, dst, x, y, op[2]]
+      self.value.pop(dst, None)
+
+  def new(self, uniform: bool) -> int:
+    r = self.num_regs
+    self.num_regs += 1
+    self.uniform[r] = uniform
+    return r
+
+  def emit(self, code: int, uniform: bool, *args: int) -> int:
+    dst = self.new(uniform)
+    op = [code, dst, *args, *(0,) * (OP_WIDTH - 2 - len(args))]
+    (self.prologue if uniform else self.row_ops).append(op)
+    return dst
+
+  def binary(self, name: str, uniform: bool, a: int, b: int) -> int:
+    if name == "div" and b in self.value and a not in self.value:
+      # XLA's algebraic simplifier: A / constant -> A * (1 / constant), the inverse in float32.
+      inverse = np.float32(1) / self.value[b]
+      b = self.constant(inverse, _F32)
+      dst = self.emit(_BINARY["mul"], uniform, a, b)
+      self.inverse.add(dst)
+      return dst
+    dst = self.emit(_BINARY[name], uniform, a, b)
+    if a in self.value and b in self.value:
+      x, y = self.value[a], self.value[b]
+      with np.errstate(all="ignore"):
+        self.value[dst] = {
+          "add": np.add,
+          "sub": np.subtract,
+          "mul": np.multiply,
+          "div": np.divide,
+        }.get(name, lambda x, y: np.float32(np.nan))(x, y)
+      if name in ("max", "min"):
+        del self.value[dst]
+    return dst
+
+  def read(self, atom: Any) -> int:
+    if isinstance(atom, jex_core.Literal):
+      value = np.asarray(atom.val)
+      if value.shape != ():
+        raise Refused(f"a constant of shape {value.shape}")
+      return self.constant(value, value.dtype)
+    return self.reg[atom]
+
+  def constant(self, value: Any, dtype: Any) -> int:
+    dtype = jnp.dtype(dtype)
+    if dtype == _F32:
+      bits = int(np.asarray(value, np.float32).view(np.int32))
+    elif dtype in (_I32, _U32, _BOOL):
+      bits = int(np.asarray(value).astype(np.uint32).view(np.int32))
+    else:
+      raise Refused(f"a constant of dtype {dtype}")
+    r = self.emit(_CONST, True, bits)
+    if dtype == _F32:
+      self.value[r] = np.float32(value)
+    return r
+
+  def shape_kind(self, aval: Any) -> bool:
+    """Whether a value of `aval` is uniform (a scalar); refuses a shape that is neither."""
+    if aval.shape == ():
+      return True
+    if tuple(aval.shape) == self.row_shape:
+      return False
+    raise Refused(f"a value of shape {tuple(aval.shape)} (a block is {self.row_shape})")
+
+  def run(self, jaxpr: Any, regs: Sequence[int]) -> list[int]:
+    for var, r in zip(jaxpr.invars, regs, strict=True):
+      self.reg[var] = r
+    for eqn in jaxpr.eqns:
+      self.equation(eqn)
+    return [self.read(v) for v in jaxpr.outvars]
+
+  def inline(self, closed: Any, eqn: Any) -> None:
+    inner = closed.jaxpr if hasattr(closed, "jaxpr") else closed
+    consts = getattr(closed, "consts", ())
+    if consts:
+      raise Refused(f"{eqn.primitive.name} closes over arrays")
+    outs = _Compiler.run(self, inner, [self.read(v) for v in eqn.invars])
+    for var, r in zip(eqn.outvars, outs, strict=True):
+      self.reg[var] = r
+
+  def equation(self, eqn: Any) -> None:
+    name = eqn.primitive.name
+    params = eqn.params
+    if name in ("pjit", "jit", "closed_call", "core_call", "remat", "checkpoint"):
+      return self.inline(params.get("jaxpr") or params["call_jaxpr"], eqn)
+    if name in ("custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr"):
+      return self.inline(params.get("call_jaxpr") or params["fun_jaxpr"], eqn)
+    (out,) = eqn.outvars if len(eqn.outvars) == 1 else (None,)
+    if out is None:
+      raise Refused(f"{name} with {len(eqn.outvars)} outputs")
+    uniform = self.shape_kind(out.aval)
+    out_dtype = jnp.dtype(out.aval.dtype)
+    ins = [self.read(v) for v in eqn.invars]
+    in_dtypes = [jnp.dtype(v.aval.dtype) for v in eqn.invars]
+    for v in eqn.invars:
+      self.shape_kind(v.aval)
+    if out_dtype not in (_F32, _I32, _U32, _BOOL):
+      raise Refused(f"{name} gives {out_dtype} (the row program runs 32-bit values)")
+    float_op = all(d == _F32 for d in in_dtypes) and out_dtype in (_F32, _BOOL)
+    if name in _BINARY and float_op:
+      products = [r for r in ins if r in self.product] if jit_sums(self) else []
+      if name in ("add", "sub") and (
+        len(products) > 1 or any(r not in self.inverse for r in products)
+      ):
+        # Verified bit for bit: a division by a constant, contracted into its sum. A
+        # product of the rule's own is refused: whether XLA contracts it depends on its
+        # fusions (FTRL rounds its products where they stand, `adam.rounded`).
+        raise Refused(
+          f"an unrounded product feeds {name} (XLA may contract it into a fused "
+          "multiply-add under jit; round the product where it stands, `adam.rounded`)"
+        )
+      dst = self.binary(name, uniform, *ins)
+      if name in ("add", "sub") and products:
+        self.sums.append((dst, products[0]))  # an FMA where the product has no other use
+      if self.row_ops_or_prologue(dst)[0] == _BINARY["mul"]:
+        self.product.add(dst)
+    elif name in _UNARY and float_op:
+      if name == "neg" and ins[0] in self.product and self.jit:
+        raise Refused("a negated unrounded product (XLA may contract it into a sum)")
+      dst = self.emit(_UNARY[name], uniform, *ins)
+      if ins[0] in self.value and name in ("neg", "abs", "sqrt"):
+        with np.errstate(all="ignore"):
+          x = self.value[ins[0]]
+          self.value[dst] = {"neg": np.negative, "abs": np.abs, "sqrt": np.sqrt}[name](x)
+    elif name in _BITS and all(d in (_I32, _U32, _BOOL) for d in in_dtypes):
+      dst = self.emit(_BITS[name], uniform, *ins)
+    elif name == "not" and in_dtypes == [_BOOL]:
+      dst = self.emit(_NOT, uniform, *ins)
+    elif name in _COMPARE and all(d == _F32 for d in in_dtypes):
+      dst = self.emit(_COMPARE[name], uniform, *ins)
+    elif name == "select_n" and len(ins) == 3 and in_dtypes[0] == _BOOL:
+      dst = self.emit(_SELECT, uniform, *ins)
+    elif name == "integer_pow" and float_op and 1 <= params["y"] <= 4:
+      dst = self.integer_pow(ins[0], params["y"], uniform)
+    elif name == "square" and float_op:
+      dst = self.binary("mul", uniform, ins[0], ins[0])
+      self.product.add(dst)
+    elif name in ("convert_element_type", "bitcast_convert_type", "reduce_precision"):
+      dst = self.convert(name, eqn, ins[0], in_dtypes[0], out_dtype, uniform)
+    elif name == "broadcast_in_dim" or name in _PASS:
+      if eqn.invars[0].aval.shape != () and name not in _PASS:
+        if tuple(eqn.invars[0].aval.shape) != tuple(out.aval.shape):
+          raise Refused(f"broadcast_in_dim of shape {eqn.invars[0].aval.shape}")
+      dst = ins[0]  # a scalar's register holds it in every lane: the same register
+    else:
+      raise Refused(f"the primitive {name!r} on {[str(d) for d in in_dtypes]}")
+    self.reg[out] = dst
+
+  def integer_pow(self, x: int, y: int, uniform: bool) -> int:
+    # `lax.integer_pow`'s lowering: square-and-multiply from the lowest bit.
+    y_given = y
+    acc = None
+    while y > 0:
+      if y & 1:
+        acc = x if acc is None else self.emit(_BINARY["mul"], uniform, acc, x)
+      y >>= 1
+      if y > 0:
+        x = self.emit(_BINARY["mul"], uniform, x, x)
+    assert acc is not None
+    if y_given > 1:
+      self.product.add(acc)
+      self.value.pop(acc, None)
+    return acc
+
+  def convert(self, name: str, eqn: Any, x: int, src: Any, dst: Any, uniform: bool) -> int:
+    if name == "reduce_precision":
+      if params_exact(eqn.params):
+        return x
+      raise Refused("reduce_precision below float32")
+    if src == dst or (name == "bitcast_convert_type" and src != _BOOL and dst != _BOOL):
+      return x  # the same 32 bits
+    if name == "convert_element_type" and src in (_I32, _U32) and dst in (_I32, _U32):
+      return x  # two's complement: the same bits
+    if name == "convert_element_type" and src == _BOOL and dst == _F32:
+      return self.emit(_BOOL_TO_F32, uniform, x)
+    raise Refused(f"{name} from {src} to {dst}")
+
+
+def jit_sums(c: _Compiler) -> bool:
+  """Whether sums of products are contracted (and so checked): under jit only."""
+  return c.jit
+
+
+def params_exact(params: Any) -> bool:
+  """Whether a `reduce_precision` keeps float32's bits (8 exponent, 23 mantissa bits)."""
+  return params.get("exponent_bits") == 8 and params.get("mantissa_bits") == 23
+
+
+def compile_jaxpr(
+  jaxpr: Any,
+  row_shape: tuple[int, ...],
+  num_slots: int,
+  num_scalars: int,
+  jit: bool,
+  zero_scalar: int,
+) -> Program:
+  """The program of `jaxpr` (of g, param, the slots, then the scalars; to the rows and the
+  slots' new rows), or `Refused`. Scalar `zero_scalar` is the rounding zero."""
+  c = _Compiler(row_shape, jit)
+  inputs = [c.new(False) for _ in range(_INPUT_REGS + num_slots)]
+  scalars = [c.emit(_SCALAR, True, k) for k in range(num_scalars)]
+  outs = c.run(jaxpr.jaxpr, [*inputs, *scalars])
+  fixed = set(inputs)
+  # The new rows are copied out at the end of a row: never from a row input, which an
+  # earlier copy of the same row may have overwritten (a rule that swaps two slots).
+  outs = [c.emit(_COPY, c.uniform[r], r) if r in fixed else r for r in outs]
+  if jit:
+    c.contract(outs)
+  outs = _without_barriers(c, scalars[zero_scalar], outs, fixed)
+  num_regs, prologue, row_ops, outs = _allocated(c, len(inputs), outs)
+  header = (num_regs, len(prologue), len(row_ops), outs[0], num_slots, *outs[1:])
+  code = header + tuple(v for op in (*prologue, *row_ops) for v in op)
+  return Program(tuple(int(v) for v in code), num_scalars)
+
+
+def _without_barriers(c: _Compiler, zero: int, outs: list[int], fixed: set[int]) -> list[int]:
+  """The program without `adam.rounded`'s XORs with the rounding zero (identities on the
+  bits, which kept XLA from contracting products: decided above); returns the outputs."""
+  alias: dict[int, int] = {}
+  for ops in (c.prologue, c.row_ops):
+    for op in ops:
+      if op[0] == _BITS["xor"] and zero in (op[2], op[3]):
+        alias[op[1]] = op[3] if op[2] == zero else op[2]
+
+  def source(r: int) -> int:
+    while r in alias:
+      r = alias[r]
+    return r
+
+  for ops in (c.prologue, c.row_ops):
+    ops[:] = [op for op in ops if op[1] not in alias]
+    for op in ops:
+      n = len(_reads(op))
+      op[2 : 2 + n] = [source(r) for r in op[2 : 2 + n]]
+  outs = [source(r) for r in outs]
+  # An output aliased back to an input (a rule returning a rounded input) is copied.
+  return [c.emit(_COPY, c.uniform[r], r) if r in fixed else r for r in outs]
+
+
+def _reads(op: Sequence[int]) -> list[int]:
+  """The registers an op reads."""
+  code = op[0]
+  if code in (_CONST, _SCALAR):
+    return []
+  if code in (_SELECT, _FMA, _FMS, _FNMA):
+    return list(op[2:5])
+  if code in (_COPY, *_UNARY.values(), _NOT, _BOOL_TO_F32):
+    return [op[2]]
+  return list(op[2:4])
+
+
+def _allocated(
+  c: _Compiler, num_inputs: int, outs: list[int]
+) -> tuple[int, list[list[int]], list[list[int]], list[int]]:
+  """The program without dead ops, its registers renumbered: the inputs first, then the
+  uniform values, then the row values, a row register reused once its value is dead."""
+  live = set(outs)
+  kept: list[list[int]] = []
+  for op in reversed([*c.prologue, *c.row_ops]):
+    if op[1] in live:
+      kept.append(op)
+      live.update(_reads(op))
+  kept.reverse()
+  prologue = [op for op in kept if c.uniform[op[1]]]
+  row_ops = [op for op in kept if not c.uniform[op[1]]]
+  number = {r: r for r in range(num_inputs)}
+  for op in prologue:
+    number[op[1]] = len(number)
+  first_row = len(number)
+  last_use: dict[int, int] = {}
+  for i, op in enumerate(row_ops):
+    for r in _reads(op):
+      last_use[r] = i
+  for r in outs:
+    last_use[r] = len(row_ops)
+  free: list[int] = []
+  num_regs = first_row
+  renumbered_rows = []
+  for i, op in enumerate(row_ops):
+    if free:
+      number[op[1]] = free.pop()
+    else:
+      number[op[1]] = num_regs
+      num_regs += 1
+    for r in set(_reads(op)):
+      if last_use.get(r) == i and number[r] >= first_row:
+        free.append(number[r])
+    renumbered_rows.append(op)
+
+  def renumber(op: list[int]) -> list[int]:
+    reads = _reads(op)
+    new = list(op)
+    new[1] = number[op[1]]
+    for k, r in enumerate(op[2:5], start=2):
+      if k - 2 < len(reads):
+        new[k] = number[r]
+    return new
+
+  return (
+    max(num_regs, first_row),
+    [renumber(op) for op in prologue],
+    [renumber(op) for op in renumbered_rows],
+    [number[r] for r in outs],
+  )

@@ -1,0 +1,214 @@
+"""The row program (`cpu/row_program.py`, `row_program.cc`): a rule's math per row, XLA's bits.
+
+A rule without a fused kernel whose `update` is elementwise runs on the CPU as
+one generic kernel interpreting the rule's traced math. Checked here against
+the XLA ops (`GENERIC_XLA`) in every bit, jitted (and donated) and eagerly, over
+three steps with repeated rows, padding and a -0.0: FTRL with and without its
+options and a scheduled learning rate (its divisions by the learning rate, which
+XLA turns into products by its inverse where it is known when the step is
+compiled, and contracts into a sum under jit), and a rule written in this
+file (max, min, abs, a division). A rule with a primitive the program does not
+know (`exp`; FTRL's `pow` for a power other than -0.5) or a product of its own
+summed unrounded runs the generic kernels instead, says so
+(`osa.row_program_report`), and still equals the XLA ops.
+"""
+
+import dataclasses
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.experimental import sparse
+
+import optax_sparse_adam as osa
+from optax_sparse_adam._backends import choice
+from optax_sparse_adam._backends.cpu import kernels
+from optax_sparse_adam._core.row_rules import ftrl
+from tests._helpers import BACKEND, train_step
+from tests.backends.test_generic_kernels import ROWS, WIDTH, _batches
+from tests.backends.test_memory import DIM, NUM_ROWS, _grad, _table_copies
+from tests.backends.test_row_store import _bits
+
+pytestmark = pytest.mark.skipif(
+  BACKEND != "cpu" or not kernels.available(), reason="the CPU kernels run on the CPU only"
+)
+
+
+class ClipHyper(NamedTuple):
+  learning_rate: Any
+  decay: Any = 0.9
+  weight_decay: Any = None
+
+
+@dataclasses.dataclass(frozen=True)
+class UserClippedMomentum:
+  """A user's rule: momentum whose step is clipped to [-1, 1]; its product is summed as is."""
+
+  name: str = dataclasses.field(default="user_clipped_momentum", init=False)
+
+  def slots(self):
+    return (osa.Slot("velocity"),)
+
+  def update(self, block, hyper):
+    v = hyper.decay * block.slots["velocity"] + block.grad  # XLA contracts this under jit
+    step = jnp.minimum(jnp.maximum(v, -1.0), 1.0)
+    return -hyper.learning_rate * step, {"velocity": v}
+
+
+@dataclasses.dataclass(frozen=True)
+class UserClippedSign:
+  """A user's rule with no product summed: an accumulated |g|, the step clipped to [-1, 1]."""
+
+  name: str = dataclasses.field(default="user_clipped_sign", init=False)
+
+  def slots(self):
+    return (osa.Slot("total", init=0.5),)
+
+  def update(self, block, hyper):
+    total = block.slots["total"] + jnp.abs(block.grad)
+    step = jnp.minimum(jnp.maximum(block.grad / total, -1.0), 1.0)
+    return -hyper.learning_rate * step, {"total": total}
+
+
+@dataclasses.dataclass(frozen=True)
+class UserExpRule:
+  """A user's rule with a primitive the row program does not know (`exp`)."""
+
+  name: str = dataclasses.field(default="user_exp", init=False)
+
+  def slots(self):
+    return (osa.Slot("scale", init=1.0),)
+
+  def update(self, block, hyper):
+    s = block.slots["scale"] * jnp.exp(-jnp.abs(block.grad))
+    return -hyper.learning_rate * s * block.grad, {"scale": s}
+
+
+OPTS = {
+  "ftrl": lambda: osa.sparse_ftrl(0.2),
+  "ftrl_l1": lambda: osa.sparse_ftrl(0.2, l1_regularization_strength=0.05),
+  "ftrl_all_options": lambda: osa.sparse_ftrl(
+    0.2,
+    initial_accumulator_value=0.3,
+    l1_regularization_strength=0.05,
+    l2_regularization_strength=0.01,
+    l2_shrinkage_regularization_strength=0.02,
+    beta=0.3,
+    maximize=True,
+  ),
+  "ftrl_schedule": lambda: osa.sparse_ftrl(
+    optax.linear_schedule(0.2, 0.1, 5), l2_regularization_strength=0.01
+  ),
+  "user_clipped_sign": lambda: osa.sparse_rule_transformation(UserClippedSign(), ClipHyper(0.1)),
+}
+FALLBACK = {
+  "ftrl_power_0.7": (lambda: osa.sparse_ftrl(0.2, learning_rate_power=-0.7), "'pow'"),
+  "user_exp": (
+    lambda: osa.sparse_rule_transformation(UserExpRule(), ClipHyper(0.1)),
+    "'exp'",
+  ),
+}
+
+
+def _run(opt, path, *, use_jit, row_program=True):
+  rng = np.random.default_rng(5)
+  table0 = rng.standard_normal((ROWS, WIDTH)).astype(np.float32)
+  params = {"t": jnp.asarray(table0)}
+  state = opt.init(params)
+  step = jax.jit(train_step(opt), donate_argnums=(0, 1)) if use_jit else train_step(opt)
+  hlo = None
+  with choice.choose(forced=path, row_program=row_program):
+    for ids, vals in _batches(rng):
+      grad = {"t": sparse.BCOO((jnp.asarray(vals), jnp.asarray(ids)[:, None]), shape=(ROWS, WIDTH))}
+      if use_jit and hlo is None:
+        hlo = step.lower(params, state, grad).as_text()
+      params, state = step(params, state, grad)
+  assert not np.array_equal(np.asarray(params["t"]), table0)
+  return (params, state), hlo
+
+
+def _assert_same_bits(ours, reference):
+  for leaf, xla_leaf in zip(jax.tree.leaves(ours), jax.tree.leaves(reference), strict=True):
+    np.testing.assert_array_equal(_bits(leaf), _bits(xla_leaf))
+
+
+# The default tier runs every rule jitted and FTRL with every option eagerly; the slow tier
+# the other eager runs.
+CASES = [
+  pytest.param(
+    name,
+    use_jit,
+    id=f"{name}-{'jit' if use_jit else 'eager'}",
+    marks=[pytest.mark.slow]
+    if not use_jit and name not in ("ftrl_all_options", "ftrl_schedule")
+    else [],
+  )
+  for name in sorted(OPTS)
+  for use_jit in (True, False)
+]
+
+
+@pytest.mark.parametrize(("name", "use_jit"), CASES)
+def test_the_row_program_equals_the_xla_ops_bit_for_bit(name, use_jit):
+  ours, hlo = _run(OPTS[name](), choice.GENERIC_KERNELS, use_jit=use_jit)
+  reference, _ = _run(OPTS[name](), choice.GENERIC_XLA, use_jit=use_jit)
+  _assert_same_bits(ours, reference)
+  if use_jit:
+    assert "optax_sparse_adam_row_program" in hlo
+    assert "optax_sparse_adam_coalesce_gather" not in hlo
+
+
+def test_the_rules_that_run_the_row_program_say_so():
+  report = osa.row_program_report(ftrl.FtrlRule(), ftrl.FtrlHyperparams(0.2), dense_shape=(6,))
+  assert report.startswith("the 'ftrl' rule runs the row program (")
+  clipped = osa.row_program_report(UserClippedSign(), ClipHyper(0.1), dense_shape=(2, 3))
+  assert "runs the row program" in clipped
+
+
+@pytest.mark.parametrize("name", sorted(FALLBACK))
+def test_an_unknown_primitive_keeps_the_generic_path_and_says_why(name):
+  make, primitive = FALLBACK[name]
+  opt = make()
+  ours, hlo = _run(opt, choice.GENERIC_KERNELS, use_jit=True)
+  reference, _ = _run(opt, choice.GENERIC_XLA, use_jit=True)
+  _assert_same_bits(ours, reference)
+  assert "optax_sparse_adam_row_program" not in hlo
+  assert "optax_sparse_adam_coalesce_gather" in hlo
+  rule, hyper = {
+    "ftrl_power_0.7": (ftrl.FtrlRule(), ftrl.FtrlHyperparams(0.2, learning_rate_power=-0.7)),
+    "user_exp": (UserExpRule(), ClipHyper(0.1)),
+  }[name]
+  report = osa.row_program_report(rule, hyper, dense_shape=(WIDTH,))
+  assert "runs the generic path" in report and primitive in report
+
+
+def test_the_gather_path_is_kept_for_ftrl_when_the_row_program_is_off():
+  ours, hlo = _run(OPTS["ftrl_l1"](), choice.GENERIC_KERNELS, use_jit=True, row_program=False)
+  reference, _ = _run(OPTS["ftrl_l1"](), choice.GENERIC_XLA, use_jit=True)
+  _assert_same_bits(ours, reference)
+  assert "optax_sparse_adam_coalesce_gather" in hlo and "row_program" not in hlo
+
+
+def test_the_compiled_row_program_step_copies_no_table():
+  opt = osa.sparse_ftrl(0.1, l1_regularization_strength=0.01)
+  params = {"t": jnp.zeros((NUM_ROWS, DIM))}
+  grads = {"t": _grad((NUM_ROWS, DIM), 1, np.random.default_rng(0))}
+  jitted = jax.jit(train_step(opt), donate_argnums=(0, 1))
+  hlo = jitted.lower(params, opt.init(params), grads).compile().as_text()
+  assert _table_copies(hlo) == []
+  assert "optax_sparse_adam_row_program" in hlo  # the default path, no switch needed
+  assert " gather(" not in hlo and " scatter(" not in hlo
+
+
+def test_a_product_summed_unrounded_keeps_the_generic_path_and_says_why():
+  # Whether XLA contracts `decay * v + g` into an FMA depends on how it fuses the program
+  # (the generic kernels' XLA math and the whole XLA step differ here in an ulp): the row
+  # program, which must give one answer, leaves such a rule to the generic path.
+  opt = osa.sparse_rule_transformation(UserClippedMomentum(), ClipHyper(0.1))
+  _, hlo = _run(opt, choice.GENERIC_KERNELS, use_jit=True)
+  assert "optax_sparse_adam_row_program" not in hlo
+  report = osa.row_program_report(UserClippedMomentum(), ClipHyper(0.1), dense_shape=(WIDTH,))
+  assert "runs the generic path: an unrounded product feeds add" in report
