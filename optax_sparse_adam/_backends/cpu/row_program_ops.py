@@ -221,6 +221,14 @@ class _Compiler:
     elif name in _UNARY and float_op:
       if name == "neg" and ins[0] in self.product and self.jit:
         raise Refused("a negated unrounded product (XLA may contract it into a sum)")
+      if name == "neg" and ins[0] not in self.value and self.jit:
+        # Under jit LLVM folds a negation into the op that uses it (-x * c -> x * -c,
+        # -x + y -> y - x, -x * y -> -(x * y)): the same numbers, but a NaN's sign then
+        # depends on XLA's fusions, which the program cannot follow (maximize negates g).
+        raise Refused(
+          "a negation of a value known only when the step runs (under jit XLA folds it "
+          "into the op that uses it, which can change a NaN's sign)"
+        )
       dst = self.emit(_UNARY[name], uniform, *ins)
       if ins[0] in self.value and name in ("neg", "abs", "sqrt"):
         with np.errstate(all="ignore"):
