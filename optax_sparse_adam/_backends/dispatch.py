@@ -112,8 +112,9 @@ def _bind(inputs: StepInputs, plan: StepPlan) -> _Bound:
       rounds = plan.config.param_rounding == "stochastic"
       return runs(_kernel_then_rounded if rounds else kernels.in_values_dtype)
     if kernels.generic_step_applies(inputs, plan):
-      # Under jit XLA contracts the rule's products into sums; op by op it does not.
-      jit = isinstance(inputs.values, jax.core.Tracer)
+      # Under jit XLA contracts the rule's products into sums; op by op (eagerly, also
+      # under vmap or grad) it does not.
+      jit = row_program.traced_into_jit(inputs.values)
       if kernels.gathers(inputs.values) and row_program.refusal(inputs, plan, jit=jit) is None:
         # An elementwise rule: its traced math run on each coalesced row by the generic
         # row program kernel, in the pass that coalesces, reads and stores the rows.

@@ -25,7 +25,7 @@ from jax.experimental import sparse
 
 import optax_sparse_adam as osa
 from optax_sparse_adam._backends import choice
-from optax_sparse_adam._backends.cpu import kernels
+from optax_sparse_adam._backends.cpu import kernels, row_program
 from optax_sparse_adam._core.row_rules import ftrl
 from tests._helpers import BACKEND, train_step
 from tests.backends.test_generic_kernels import ROWS, WIDTH, _batches
@@ -250,3 +250,28 @@ def test_a_product_summed_unrounded_keeps_the_generic_path_and_says_why():
   assert "optax_sparse_adam_row_program" not in hlo
   report = osa.row_program_report(UserClippedMomentum(), ClipHyper(0.1), dense_shape=(WIDTH,))
   assert "runs the generic path: an unrounded product feeds add" in report
+
+
+def test_op_by_op_under_vmap_is_not_taken_for_jit():
+  """Eagerly under `vmap` (and `grad`) each primitive runs on its own, so XLA contracts no
+  product: the row program of a vmapped eager step equals the vmapped XLA ops' bits."""
+  opt = OPTS["ftrl_all_options"]()
+  rng = np.random.default_rng(3)
+  params = jnp.asarray(rng.standard_normal((2, ROWS, WIDTH)), jnp.float32)
+  vals = jnp.asarray(rng.standard_normal((2, 12, WIDTH)), jnp.float32)
+  ids = jnp.asarray(rng.integers(0, ROWS // 3, (2, 12, 1)), jnp.int32)
+
+  def two_steps(p, v, i):
+    grad, state = sparse.BCOO((v, i), shape=(ROWS, WIDTH)), opt.init(p)
+    for _ in range(2):
+      updates, state = opt.update(grad, state, p)
+      p = osa.apply_updates(p, updates)
+    return p
+
+  runs = {}
+  for path in (choice.GENERIC_KERNELS, choice.GENERIC_XLA):
+    with choice.choose(forced=path):
+      runs[path] = _bits(jax.vmap(two_steps)(params, vals, ids))
+  np.testing.assert_array_equal(runs[choice.GENERIC_KERNELS], runs[choice.GENERIC_XLA])
+  assert row_program.traced_into_jit(jnp.ones(2)) is False
+  assert jax.jit(lambda x: jnp.float32(row_program.traced_into_jit(x)))(1.0) == 1.0

@@ -142,6 +142,20 @@ def _hyper_key(hyper: Any) -> tuple[tuple, Any] | str:
   return tuple(key), treedef
 
 
+def traced_into_jit(x: Any) -> bool:
+  """Whether `x` is traced into a jitted program, where XLA contracts the rule's products
+  into sums: False for a concrete array and op by op under `vmap` or `grad`, whose
+  tracers wrap a concrete value (`val`, `primal`) and run each primitive on its own."""
+  while isinstance(x, jax.core.Tracer):
+    if type(x).__name__ == "DynamicJaxprTracer":
+      return True
+    inner = next((a for a in ("val", "primal") if hasattr(x, a)), None)
+    if inner is None:
+      return True  # a tracer of another kind: assumed staged, as jit stages
+    x = getattr(x, inner)
+  return False
+
+
 def refusal(inputs: StepInputs, plan: StepPlan, *, jit: bool = True) -> str | None:
   """Why the row program does not run this step (None: it does); `jit`: whether the
   step is traced, and XLA contracts its products into sums (`_Compiler`)."""
