@@ -17,7 +17,7 @@ from optax_sparse_adam._backends.cpu import kernels
 from optax_sparse_adam._core.sharded import overflow, placement, routing
 from optax_sparse_adam._core.sharded.overflow import WARN_AFTER, WARN_SHARE
 from tests.core._forced_devices import run_checks
-from tests.core._routed_tiers import SLOW_CHECKS, SLOW_RUNS
+from tests.core._routed_tiers import SLOW_CHECKS, SLOW_CYCLIC_RUNS, SLOW_RUNS
 
 # Float32: a row's entries on several devices are summed per device first, then
 # the devices' sums in device order, where one device adds them one by one.
@@ -564,11 +564,21 @@ CYCLIC_RUNS = [
 ]
 
 
-def test_every_cyclic_run_is_reported(checks):
-  assert sorted(checks["cyclic"]["runs"]) == sorted(CYCLIC_RUNS)
+def cyclic_tiered(runs):
+  """`runs` as parameters, the cyclic runs of the slow tier (`SLOW_CYCLIC_RUNS`) marked."""
+  return [
+    pytest.param(run, marks=pytest.mark.slow) if run in SLOW_CYCLIC_RUNS else run for run in runs
+  ]
 
 
-@pytest.mark.parametrize("run", CYCLIC_RUNS)
+@pytest.mark.parametrize("tier", ["default", pytest.param("all", marks=pytest.mark.slow)])
+def test_every_cyclic_run_is_reported(checks, tier):
+  expected = [run for run in CYCLIC_RUNS if tier == "all" or run not in SLOW_CYCLIC_RUNS]
+  assert sorted(checks["cyclic"]["runs"]) == sorted(expected)
+  assert SLOW_CYCLIC_RUNS < set(CYCLIC_RUNS)
+
+
+@pytest.mark.parametrize("run", cyclic_tiered(CYCLIC_RUNS))
 def test_cyclic_tables_train_as_one_device_in_logical_order(checks, run):
   """`row_placement="cyclic"`: the table (converted to cyclic order in NumPy) and its
   state, read back in logical order, match one device's training on logical ids; the
@@ -585,7 +595,7 @@ def test_cyclic_tables_train_as_one_device_in_logical_order(checks, run):
   assert [op for op, _ in routed_path].count("all-to-all") == 1
 
 
-@pytest.mark.parametrize("mode", ["explicit", "auto_default"])
+@pytest.mark.parametrize("mode", ["explicit", pytest.param("auto_default", marks=pytest.mark.slow)])
 def test_cyclic_placement_keeps_frequency_sorted_zipf_ids_routed(checks, mode):
   """The Zipf ids' hot rows are the low ids: in blocks they all live on device 0 and
   overflow even twice the share; cyclically they spread over every device and fit the

@@ -393,17 +393,19 @@ def test_nnx_vmap_ensemble_of_tables_raises_naming_the_stacked_table():
 # b is missing at the last mini-step of the first cycle (whose rows were dropped
 # before), a at the first mini-step of the third (whose slot held the previous
 # cycle's rows), and b from the whole fourth cycle (its step count must not advance).
+# Every lookup of two ids (a row may repeat): each jitted step traces one of three
+# shapes, (a, b), (a, None) and (None, b), so the test compiles three steps, not six.
 ACC_STEPS = [
-  (ids(1, 2), ids(5)),
-  (ids(1), None),
-  (ids(3), None),
+  (ids(1, 2), ids(5, 5)),
+  (ids(1, 1), None),
+  (ids(3, 3), None),
   (None, ids(6, 6)),
-  (None, ids(7)),
+  (None, ids(7, 7)),
   (ids(4, 4), None),
-  (ids(2), None),  # b is looked up in no mini-step of this cycle: no step for it, as torch
-  (ids(5), None),
-  (ids(8), ids(1, 6)),
-  (None, ids(6)),
+  (ids(2, 2), None),  # b is looked up in no mini-step of this cycle: no step for it, as torch
+  (ids(5, 5), None),
+  (ids(8, 8), ids(1, 6)),
+  (None, ids(6, 6)),
 ]
 
 
