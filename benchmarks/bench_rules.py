@@ -30,6 +30,8 @@ Run from the repository root:
 
   python -m benchmarks.bench_rules            # V = 1M, D = 64, B = 4096, Zipf and uniform
   python -m benchmarks.bench_rules --quick    # V = 100k, fewer steps and rounds
+  python -m benchmarks.bench_rules --fused-vs-generic --only sgd adagrad  # each against its
+                                              # own fused kernel, no Adam step between
 """
 
 import time
@@ -117,6 +119,14 @@ class _TableStepper(_PathStepper):
 # kernel and with the generic kernels).
 RULES = [
   ("sparse_sgd lazy momentum", osa.sparse_sgd(1e-3, momentum=0.9, lazy_momentum=True)),
+  (
+    "sparse_sgd lazy momentum, nesterov",
+    osa.sparse_sgd(1e-3, momentum=0.9, nesterov=True, lazy_momentum=True),
+  ),
+  (
+    "sparse_sgd lazy momentum, dampening",
+    osa.sparse_sgd(1e-3, momentum=0.9, dampening=0.1, lazy_momentum=True),
+  ),
   ("sparse_adagrad", osa.sparse_adagrad(1e-2)),
   ("sparse_rowwise_adagrad", osa.sparse_rowwise_adagrad(1e-2)),
   (
@@ -170,8 +180,11 @@ def time_tables(grads, num_rows, default, *, steps, rounds):
   return results
 
 
-def time_rules(ids, values, num_rows, *, steps, rounds, use_torch=True, tables_only=False):
-  """`(name, ratios)`: each step's per-round ratios to the `sparse_adam` kernel step."""
+def time_rules(
+  ids, values, num_rows, *, steps, rounds, use_torch=True, tables_only=False, only=None
+):
+  """`(name, ratios)`: each step's per-round ratios to the `sparse_adam` kernel step; `only`:
+  the steps whose name contains one of these strings (no 16-bit tables, no torch)."""
   dim = values[0].shape[1]
   grads = [
     {"table": sparse.BCOO((jnp.asarray(v), jnp.asarray(i)[:, None]), shape=(num_rows, dim))}
@@ -191,11 +204,15 @@ def time_rules(ids, values, num_rows, *, steps, rounds, use_torch=True, tables_o
     rows += [(f"{name} (generic kernels)", opt, "kernels"), (f"{name} (XLA ops)", opt, "xla")]
   default = _PathStepper(osa.sparse_adam(1e-3), num_rows, grads)
   results = [("sparse_adam (CPU kernels)", [(1.0, 1.0)])]
+  if only:
+    rows = [row for row in rows if any(part in row[0] for part in only)]
   for name, opt, path in rows:
     # One option's tables at a time next to the default's.
     stepper = _PathStepper(opt, num_rows, grads, path)
     results.append((name, _times(stepper, default, rounds=rounds, steps=steps)))
     del stepper
+  if only:
+    return results
   for name, make in TABLE_DTYPES:
     for dtype in (jnp.float32, jnp.bfloat16, jnp.float16):
       stepper = _TableStepper(make(), num_rows, grads, dtype)
@@ -216,13 +233,32 @@ def time_rules(ids, values, num_rows, *, steps, rounds, use_torch=True, tables_o
   return results
 
 
-def print_ratios(results) -> None:
+def time_fused_against_generic(ids, values, num_rows, *, steps, rounds, only=None):
+  """`(name, ratios)`: each rule with a fused kernel on the generic kernels (the row program
+  where it applies), timed against its own fused kernel in interleaved rounds."""
+  dim = values[0].shape[1]
+  grads = [
+    {"table": sparse.BCOO((jnp.asarray(v), jnp.asarray(i)[:, None]), shape=(num_rows, dim))}
+    for i, v in zip(ids, values, strict=True)
+  ]
+  results = []
+  for name, opt in RULES:
+    if only and not any(part in name for part in only):
+      continue
+    fused = _PathStepper(opt, num_rows, grads, "kernels")
+    generic = _PathStepper(opt, num_rows, grads, "generic")
+    results.append((name, _times(generic, fused, rounds=rounds, steps=steps)))
+    del fused, generic
+  return results
+
+
+def print_ratios(results, against="the Adam kernel step") -> None:
   """Each step's median (range) and fastest ratio to the `sparse_adam` kernel step, then
   that step's fastest time (to compare runs of two versions; noisy on a shared machine)."""
   for name, times in results:
-    print(f"  {name:56s} {_summary(times):>34s}  x the Adam kernel step")
+    print(f"  {name:56s} {_summary(times):>34s}  x {against}")
   timed = [base for _, times in results[1:] for base, _ in times]
-  if timed:
+  if timed and against == "the Adam kernel step":
     print(f"  the Adam kernel step itself: fastest {min(timed) * 1e3:.3f} ms")
 
 
@@ -236,6 +272,14 @@ def main(argv=None) -> None:
   )
   parser.add_argument("--dist", nargs="*", default=["zipf", "uniform"], help="id distributions")
   parser.add_argument("--no-torch", action="store_true", help="skip torch's optimizers")
+  parser.add_argument(
+    "--fused-vs-generic",
+    action="store_true",
+    help="each rule with a fused kernel on the generic kernels against its fused kernel",
+  )
+  parser.add_argument(
+    "--only", nargs="*", help="only the steps whose name contains one of these strings"
+  )
   args = parser.parse_args(argv)
   if args.quick:
     args.vocab, args.steps, args.rounds = 100_000, 10, 3
@@ -245,6 +289,12 @@ def main(argv=None) -> None:
   for dist in args.dist:
     ids = c.id_batches(dist, args.vocab, args.batch)
     print(f"{c.machine()}; V={args.vocab:,} D={args.dim} B={args.batch} ({dist} ids)")
+    if args.fused_vs_generic:
+      timed = time_fused_against_generic(
+        ids, values, args.vocab, steps=args.steps, rounds=args.rounds, only=args.only
+      )
+      print_ratios(timed, against="its fused kernel (generic kernels / fused)")
+      continue
     print_ratios(
       time_rules(
         ids,
@@ -254,6 +304,7 @@ def main(argv=None) -> None:
         rounds=args.rounds,
         use_torch=not args.no_torch,
         tables_only=args.tables_only,
+        only=args.only,
       )
     )
 

@@ -6,8 +6,10 @@ the XLA ops (`GENERIC_XLA`) in every bit, jitted (and donated) and eagerly, over
 three steps with repeated rows, padding and a -0.0: FTRL with and without its
 options and a scheduled learning rate (its divisions by the learning rate, which
 XLA turns into products by its inverse where it is known when the step is
-compiled, and contracts into a sum under jit), and a rule written in this
-file (max, min, abs, a division). A rule with a primitive the program does not
+compiled, and contracts into a sum under jit), SGD with momentum and Adagrad
+(their step count's scalars, an int32 comparison and conversion, computed by
+XLA before the kernel: hoisted), and a rule written in this file (max, min,
+abs, a division). A rule with a primitive the program does not
 know (`exp`; FTRL's `pow` for a power other than -0.5) or a product of its own
 summed unrounded runs the generic kernels instead, says so
 (`osa.row_program_report`), and still equals the XLA ops.
@@ -26,7 +28,7 @@ from jax.experimental import sparse
 import optax_sparse_adam as osa
 from optax_sparse_adam._backends import choice
 from optax_sparse_adam._backends.cpu import kernels, row_program
-from optax_sparse_adam._core.row_rules import ftrl
+from optax_sparse_adam._core.row_rules import adagrad, ftrl, sgd
 from tests._helpers import BACKEND, train_step
 from tests.backends.test_generic_kernels import ROWS, WIDTH, _batches
 from tests.backends.test_memory import DIM, NUM_ROWS, _grad, _table_copies
@@ -87,6 +89,20 @@ class UserExpRule:
     return -hyper.learning_rate * s * block.grad, {"scale": s}
 
 
+@dataclasses.dataclass(frozen=True)
+class UserStepScaled:
+  """A user's rule summing a product of uniform values (the step count, a hyper-parameter)
+  into a row: XLA may contract that product into the sum, so it is not hoisted."""
+
+  name: str = dataclasses.field(default="user_step_scaled", init=False)
+
+  def slots(self):
+    return ()
+
+  def update(self, block, hyper):
+    return jnp.abs(block.grad) - block.step.astype(jnp.float32) * hyper.learning_rate, {}
+
+
 OPTS = {
   "ftrl": lambda: osa.sparse_ftrl(0.2),
   "ftrl_l1": lambda: osa.sparse_ftrl(0.2, l1_regularization_strength=0.05),
@@ -103,6 +119,18 @@ OPTS = {
     optax.linear_schedule(0.2, 0.1, 5), l2_regularization_strength=0.01
   ),
   "user_clipped_sign": lambda: osa.sparse_rule_transformation(UserClippedSign(), ClipHyper(0.1)),
+  # The step count's scalars (SGD's first-step weight, Adagrad's decayed rate, Adam's bias
+  # corrections) computed by XLA before the kernel (hoisted); Adagrad over six steps, so
+  # that `(t - 1) * lr_decay` rounds.
+  "sgd_nesterov_schedule": lambda: osa.sparse_sgd(
+    optax.linear_schedule(0.2, 0.1, 5), momentum=0.9, nesterov=True, lazy_momentum=True
+  ),
+  "adagrad_schedule": lambda: osa.sparse_adagrad(
+    optax.linear_schedule(0.2, 0.1, 5), lr_decay=0.013, eps=1e-3, initial_accumulator_value=0.1
+  ),
+  "adam_amsgrad_schedule": lambda: osa.sparse_adam(
+    optax.linear_schedule(0.2, 0.1, 5), b1=0.8, amsgrad=True
+  ),
 }
 FALLBACK = {
   "ftrl_power_0.7": (lambda: osa.sparse_ftrl(0.2, learning_rate_power=-0.7), "'pow'"),
@@ -113,7 +141,7 @@ FALLBACK = {
 }
 
 
-def _run(opt, path, *, use_jit, row_program=True):
+def _run(opt, path, *, use_jit, row_program=True, repeats=1):
   rng = np.random.default_rng(5)
   table0 = rng.standard_normal((ROWS, WIDTH)).astype(np.float32)
   params = {"t": jnp.asarray(table0)}
@@ -121,7 +149,7 @@ def _run(opt, path, *, use_jit, row_program=True):
   step = jax.jit(train_step(opt), donate_argnums=(0, 1)) if use_jit else train_step(opt)
   hlo = None
   with choice.choose(forced=path, row_program=row_program):
-    for ids, vals in _batches(rng):
+    for ids, vals in _batches(rng) * repeats:
       grad = {"t": sparse.BCOO((jnp.asarray(vals), jnp.asarray(ids)[:, None]), shape=(ROWS, WIDTH))}
       if use_jit and hlo is None:
         hlo = step.lower(params, state, grad).as_text()
@@ -157,8 +185,9 @@ GENERIC_UNDER_JIT = ("ftrl_maximize",)
 
 @pytest.mark.parametrize(("name", "use_jit"), CASES)
 def test_the_row_program_equals_the_xla_ops_bit_for_bit(name, use_jit):
-  ours, hlo = _run(OPTS[name](), choice.GENERIC_KERNELS, use_jit=use_jit)
-  reference, _ = _run(OPTS[name](), choice.GENERIC_XLA, use_jit=use_jit)
+  repeats = 2 if name.startswith("adagrad") else 1
+  ours, hlo = _run(OPTS[name](), choice.GENERIC_KERNELS, use_jit=use_jit, repeats=repeats)
+  reference, _ = _run(OPTS[name](), choice.GENERIC_XLA, use_jit=use_jit, repeats=repeats)
   _assert_same_bits(ours, reference)
   if use_jit:
     on_program = name not in GENERIC_UNDER_JIT
@@ -179,13 +208,15 @@ def test_nan_and_inf_entries_keep_the_xla_ops_bits_and_sign(maximize):
   grad = {"t": sparse.BCOO((jnp.asarray(vals), jnp.asarray(ids)[:, None]), shape=(ROWS, WIDTH))}
   params = {"t": jnp.asarray(np.random.default_rng(1).standard_normal((ROWS, WIDTH)), jnp.float32)}
   runs = {}
-  for opt_name in ("ftrl", "sgd"):
-    opt = (
-      osa.sparse_ftrl(0.2, maximize=maximize)
-      if opt_name == "ftrl"
-      else osa.sparse_sgd(0.1, maximize=maximize)
-    )
-    for path in (choice.GENERIC_KERNELS, choice.GENERIC_XLA):
+  schedule = optax.linear_schedule(0.2, 0.1, 5)  # a learning rate known only at the step
+  makes = {
+    "ftrl": lambda: osa.sparse_ftrl(0.2, maximize=maximize),
+    "sgd": lambda: osa.sparse_sgd(0.1, maximize=maximize),
+    "adagrad": lambda: osa.sparse_adagrad(schedule, lr_decay=0.1, maximize=maximize),
+  }
+  for opt_name, make in makes.items():
+    opt = make()
+    for path in (choice.GENERIC_KERNELS, choice.GENERIC_XLA):  # not the fused kernels
       step = jax.jit(train_step(opt))
       with choice.choose(forced=path):
         hlo = step.lower(params, opt.init(params), grad).as_text()
@@ -204,6 +235,19 @@ def test_the_rules_that_run_the_row_program_say_so():
   assert report.startswith("the 'ftrl' rule runs the row program (")
   clipped = osa.row_program_report(UserClippedSign(), ClipHyper(0.1), dense_shape=(2, 3))
   assert "runs the row program" in clipped
+  # The step count's scalars are hoisted into XLA: SGD's momentum and Adagrad run it.
+  for rule, hyper in (
+    (sgd.SGDRule(momentum=True, nesterov=True), sgd.SGDHyperparams(0.1, 0.9, 0.2)),
+    (adagrad.AdagradRule(), adagrad.AdagradHyperparams(0.1, lr_decay=0.01)),
+  ):
+    report = osa.row_program_report(rule, hyper, dense_shape=(WIDTH,))
+    assert "runs the row program" in report, report
+  scaled = osa.row_program_report(UserStepScaled(), ClipHyper(0.1), dense_shape=(WIDTH,))
+  assert "runs the generic path: an unrounded product feeds sub" in scaled
+  opt = osa.sparse_rule_transformation(UserStepScaled(), ClipHyper(0.1))
+  ours, hlo = _run(opt, choice.GENERIC_KERNELS, use_jit=True)
+  _assert_same_bits(ours, _run(opt, choice.GENERIC_XLA, use_jit=True)[0])
+  assert "optax_sparse_adam_row_program" not in hlo
 
 
 @pytest.mark.parametrize("name", sorted(FALLBACK))

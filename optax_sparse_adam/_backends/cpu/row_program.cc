@@ -171,6 +171,7 @@ struct Program {
   const Op* prologue;
   const Op* row_ops;
   std::vector<char> uniform;  // whether a register is written by the prologue
+  std::vector<char> read;     // whether a register is read by an op
 };
 
 ffi::Error ReadProgram(ffi::Span<const int32_t> code, int64_t num_slots, int64_t num_scalars,
@@ -192,6 +193,7 @@ ffi::Error ReadProgram(ffi::Span<const int32_t> code, int64_t num_slots, int64_t
   p.prologue = reinterpret_cast<const Op*>(c + kHeader + num_slots);
   p.row_ops = p.prologue + p.num_prologue;
   p.uniform.assign(p.num_regs, 0);
+  p.read.assign(p.num_regs, 0);
   const auto valid = [&](int64_t r) { return r >= 0 && r < p.num_regs; };
   for (int64_t i = 0; i < p.num_prologue + p.num_row_ops; ++i) {
     const Op& op = p.prologue[i];
@@ -204,6 +206,8 @@ ffi::Error ReadProgram(ffi::Span<const int32_t> code, int64_t num_slots, int64_t
       return ffi::Error::InvalidArgument("the program reads an unknown register or scalar");
     }
     if (i < p.num_prologue) p.uniform[op.dst] = 1;
+    if (reads_a) p.read[op.a] = 1;  // b and c too (an op that does not read them names 0)
+    p.read[op.b] = p.read[op.c] = 1;
   }
   if (!valid(p.out_reg)) return ffi::Error::InvalidArgument("the program's output is unknown");
   for (int64_t k = 0; k < num_slots; ++k) {
@@ -259,6 +263,14 @@ ffi::Error RowProgramImpl(ffi::Buffer<ffi::S32> rows, ffi::AnyBuffer values,
     CopyIfNotAliased(*in, *result);  // without donation XLA gives a fresh output buffer
     tables.push_back(static_cast<float*>((*result)->untyped_data()));
   }
+  if (!has_param && p.read[kInputRegs - 1]) {
+    return ffi::Error::InvalidArgument("the program reads the parameter's rows: give param");
+  }
+  // The tables whose rows the program reads (copied into its input registers).
+  std::vector<char> staged_tables(tables.size());
+  for (size_t k = 0; k < tables.size(); ++k) {
+    staged_tables[k] = tables[k] != nullptr && p.read[kInputRegs - 1 + k];
+  }
   const int64_t lanes = kBlockRows * row_size;
   // The prologue: every row's uniform values, once, block-wide.
   std::vector<uint32_t> uniform_lanes(p.num_regs * lanes);
@@ -307,8 +319,8 @@ ffi::Error RowProgramImpl(ffi::Buffer<ffi::S32> rows, ffi::AnyBuffer values,
         if (s + kPrefetchRows < end) {
           const int64_t ahead = s + kPrefetchRows;
           const int64_t row = sorted_rows[starts[ahead]];
-          for (const float* t : tables) {
-            if (t != nullptr) PrefetchRow(t + row * row_size, row_size);
+          for (size_t k = 0; k < tables.size(); ++k) {
+            if (staged_tables[k]) PrefetchRow(tables[k] + row * row_size, row_size);
           }
           PrefetchEntries(vals, position.data(), starts[ahead], starts[ahead + 1], row_size);
         }
@@ -317,12 +329,9 @@ ffi::Error RowProgramImpl(ffi::Buffer<ffi::S32> rows, ffi::AnyBuffer values,
         SumEntries(g + s * row_size, vals, position.data(), starts[s], starts[s + 1], row_size);
         const int64_t i = s - block_begin;
         for (size_t k = 0; k < tables.size(); ++k) {
+          if (!staged_tables[k]) continue;  // a row the program does not read
           float* into = reinterpret_cast<float*>(staged[k]) + i * row_size;
-          if (tables[k] == nullptr) {
-            std::memset(into, 0, row_bytes);
-          } else {
-            std::memcpy(into, tables[k] + row * row_size, row_bytes);
-          }
+          std::memcpy(into, tables[k] + row * row_size, row_bytes);
         }
         if (i + 1 == kBlockRows || s + 1 == end) {
           run_block(block_begin, i + 1, reg.data());

@@ -19,9 +19,12 @@ its inverse; under jit such a product used by one sum is one FMA), so the
 program's rows equal the XLA ops' bit for bit. Where XLA's result depends on
 its fusions the program refuses the rule: a product of the rule's own summed
 unrounded (`adam.rounded` pins it), and any primitive it does not know (`pow`,
-`exp`, reductions). A refused rule keeps the generic path (the rows gathered,
-the math in XLA ops, the rows stored), and `refusal` says why
-(`osa.row_program_report`).
+`exp`, reductions) on row values. An equation of uniform values alone that the
+kernel does not know (the step count's int->float conversion or comparison,
+`pow` of hyper-parameters) is hoisted: computed by XLA before the kernel, by the
+same primitive, and read by the kernel as one more scalar. A refused rule keeps
+the generic path (the rows gathered, the math in XLA ops, the rows stored), and
+`refusal` says why (`osa.row_program_report`).
 """
 
 from __future__ import annotations
@@ -204,10 +207,13 @@ def masked_step(inputs: StepInputs, plan: StepPlan, *, jit: bool = True) -> Rows
   leaves = jax.tree.leaves(inputs.hyper)
   arrays = [leaf for leaf in leaves if isinstance(leaf, jax.core.Tracer)]
   zero = jnp.zeros((), jnp.int32) if inputs.opaque_zero is None else inputs.opaque_zero
-  scalars = [lax.bitcast_convert_type(jnp.asarray(a, jnp.float32), jnp.uint32) for a in arrays]
-  scalars.append(lax.bitcast_convert_type(jnp.asarray(zero, jnp.int32), jnp.uint32))
+  given = [jnp.asarray(a, jnp.float32) for a in arrays]
+  given.append(jnp.asarray(zero, jnp.int32))
   if inputs.step is not None:
-    scalars.append(lax.bitcast_convert_type(jnp.asarray(inputs.step, jnp.int32), jnp.uint32))
+    given.append(jnp.asarray(inputs.step))
+  # The uniform values the kernel does not compute, computed here by XLA (`row_program_ops`).
+  given += row_program_ops.hoisted_scalars(traced.program, given)
+  scalars = [_lane_bits(x) for x in given]
   param = tables.param if tables.param is not None else jnp.zeros((0,), jnp.float32)
   n = len(slots)
   call = jax.ffi.ffi_call(
@@ -233,6 +239,14 @@ def masked_step(inputs: StepInputs, plan: StepPlan, *, jit: bool = True) -> Rows
     out = out.astype(inputs.values.dtype)
   new = {slot.name: s for slot, s in zip(rule.slots(), new_slots, strict=True)}
   return RowsStep(rows, out, Tables(new))
+
+
+def _lane_bits(x: Any) -> jax.Array:
+  """A 0-d value's 32 bits as the kernel's lanes hold them (a bool as 0 or 1)."""
+  x = jnp.asarray(x)
+  if x.dtype == jnp.bool_:
+    return x.astype(jnp.uint32)
+  return lax.bitcast_convert_type(x, jnp.uint32)
 
 
 def report(rule: Any, hyper: Any, *, dense_shape: Sequence[int], maximize: bool = False) -> str:
@@ -263,6 +277,8 @@ def report(rule: Any, hyper: Any, *, dense_shape: Sequence[int], maximize: bool 
     "the 'ftrl' rule runs the row program (17 ops)"
   """
   row_shape = (1, *dense_shape)
+  if any(slot.per_row for slot in rule.slots()):
+    return f"the {rule.name!r} rule runs the generic path: a per-row slot"
   key = _hyper_key(hyper)
   if isinstance(key, str):
     return f"the {rule.name!r} rule runs the generic path: {key}"

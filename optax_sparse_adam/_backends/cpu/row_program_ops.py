@@ -6,9 +6,14 @@ over row-wide registers: uniform values (scalars, constants) into a prologue
 run once a call, row values into the ops run on each row. It reproduces what
 XLA does to the same math: a division by a constant is a product by its
 inverse; under jit a product used only by one sum is contracted into it (an
-FMA). It refuses (`Refused`) any primitive the kernel does not know and any
-product of the rule's own summed unrounded (whether XLA contracts it depends
-on its fusions). Dead ops are dropped and row registers reused.
+FMA). An equation of uniform values alone that the kernel does not know
+(`pow`, `exp`, an int->float conversion, an integer comparison, a sum of a
+product of scalars, ...) is hoisted: XLA computes it before the kernel, from
+the same scalars and by the same primitive, and the kernel reads it as one
+more scalar (`Program.hoisted`, `hoisted_scalars`). It refuses (`Refused`) any
+primitive the kernel does not know on row values and any product of the
+rule's own summed unrounded into a row (whether XLA contracts it depends on
+its fusions). Dead ops are dropped and row registers reused.
 """
 
 from __future__ import annotations
@@ -39,11 +44,41 @@ _F32, _I32, _U32, _BOOL = (jnp.dtype(t) for t in (jnp.float32, jnp.int32, jnp.ui
 _PASS = ("copy", "copy_p", "optimization_barrier")
 
 
+class Recipe(NamedTuple):
+  """How XLA computes a uniform value: `primitive` bound to `args` (recipes) with `params`;
+  a call's k-th scalar where `primitive` is None and `params` is k; a constant where
+  `primitive` is None and `params` is a 0-d NumPy array."""
+
+  primitive: Any
+  params: Any
+  args: tuple[Recipe, ...] = ()
+
+
 class Program(NamedTuple):
-  """A compiled row program: the kernel's int32 op list, and how many scalars it reads."""
+  """A compiled row program: the kernel's int32 op list, how many scalars it reads (the
+  call's, then the hoisted ones), and the recipes of the hoisted scalars."""
 
   code: tuple[int, ...]
   num_scalars: int
+  hoisted: tuple[Recipe, ...] = ()
+
+
+def hoisted_scalars(program: Program, scalars: Sequence[Any]) -> list[Any]:
+  """The values of `program`'s hoisted scalars, computed by XLA from the call's `scalars`
+  (each in its own dtype), primitive by primitive as the rule's update computes them."""
+  memo: dict[int, Any] = {}
+
+  def value(recipe: Recipe) -> Any:
+    if id(recipe) not in memo:
+      if recipe.primitive is None:
+        params = recipe.params
+        memo[id(recipe)] = scalars[params] if isinstance(params, int) else params
+      else:
+        args = [value(a) for a in recipe.args]
+        memo[id(recipe)] = recipe.primitive.bind(*args, **dict(recipe.params))
+    return memo[id(recipe)]
+
+  return [value(r) for r in program.hoisted]
 
 
 class Refused(Exception):
@@ -68,6 +103,9 @@ class _Compiler:
     self.product: set[int] = set()  # registers holding an unrounded product
     self.sums: list[tuple[int, int]] = []  # (a sum's register, its product operand)
     self.inverse: set[int] = set()  # products by a constant's inverse (XLA's divisions)
+    self.recipe: dict[int, Recipe] = {}  # how XLA computes each uniform register
+    self.hoisted: list[Recipe] = []  # uniform values XLA computes before the kernel
+    self.first_hoisted = 0  # the scalar index of the first hoisted value
 
   def row_ops_or_prologue(self, dst: int) -> list[int]:
     """The op that writes register `dst`."""
@@ -154,6 +192,7 @@ class _Compiler:
     else:
       raise Refused(f"a constant of dtype {dtype}")
     r = self.emit(_CONST, True, bits)
+    self.recipe[r] = Recipe(None, np.asarray(value, dtype))
     if dtype == _F32:
       self.value[r] = np.float32(value)
     return r
@@ -189,6 +228,28 @@ class _Compiler:
       return self.inline(params.get("jaxpr") or params["call_jaxpr"], eqn)
     if name in ("custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr"):
       return self.inline(params.get("call_jaxpr") or params["fun_jaxpr"], eqn)
+    ins = [self.read(v) for v in eqn.invars]
+    uniform = len(eqn.outvars) == 1 and all(
+      np.shape(v.aval) == () for v in (*eqn.invars, *eqn.outvars)
+    )
+    if not uniform or any(r not in self.recipe for r in ins):
+      return self.translate(eqn)
+    recipe = Recipe(eqn.primitive, tuple(params.items()), tuple(self.recipe[r] for r in ins))
+    try:
+      self.translate(eqn)
+    except Refused:
+      # A uniform value the kernel does not compute (as XLA would): XLA computes it before
+      # the kernel, by the same primitive from the same values (`hoisted_scalars`).
+      if jnp.dtype(eqn.outvars[0].aval.dtype) not in (_F32, _I32, _U32, _BOOL):
+        raise
+      self.reg[eqn.outvars[0]] = self.emit(_SCALAR, True, self.first_hoisted + len(self.hoisted))
+      self.hoisted.append(recipe)
+    self.recipe.setdefault(self.reg[eqn.outvars[0]], recipe)
+
+  def translate(self, eqn: Any) -> None:
+    """Emits the ops of one equation (not a call), or `Refused`."""
+    name = eqn.primitive.name
+    params = eqn.params
     (out,) = eqn.outvars if len(eqn.outvars) == 1 else (None,)
     if out is None:
       raise Refused(f"{name} with {len(eqn.outvars)} outputs")
@@ -311,6 +372,8 @@ def compile_jaxpr(
   c = _Compiler(row_shape, jit)
   inputs = [c.new(False) for _ in range(_INPUT_REGS + num_slots)]
   scalars = [c.emit(_SCALAR, True, k) for k in range(num_scalars)]
+  c.recipe.update({r: Recipe(None, k) for k, r in enumerate(scalars)})
+  c.first_hoisted = num_scalars
   outs = c.run(jaxpr.jaxpr, [*inputs, *scalars])
   fixed = set(inputs)
   # The new rows are copied out at the end of a row: never from a row input, which an
@@ -322,7 +385,7 @@ def compile_jaxpr(
   num_regs, prologue, row_ops, outs = _allocated(c, len(inputs), outs)
   header = (num_regs, len(prologue), len(row_ops), outs[0], num_slots, *outs[1:])
   code = header + tuple(v for op in (*prologue, *row_ops) for v in op)
-  return Program(tuple(int(v) for v in code), num_scalars)
+  return Program(tuple(int(v) for v in code), num_scalars + len(c.hoisted), tuple(c.hoisted))
 
 
 def _without_barriers(c: _Compiler, zero: int, outs: list[int], fixed: set[int]) -> list[int]:
