@@ -26,7 +26,9 @@ setup(
       language="c++",
       # -ffp-contract=off: no FMA, every product rounded, as in XLA and torch.
       # -fno-math-errno: lets sqrt vectorize; IEEE results are unchanged.
-      extra_compile_args=["-std=c++17", "-O3", "-ffp-contract=off", "-fno-math-errno"],
+      # -g0: Python's own CFLAGS ask for debug info, which made the library 36 MB (XLA's
+      # FFI headers are templates); without it, 3.9 MB (2.5 MB of code).
+      extra_compile_args=["-std=c++17", "-O3", "-ffp-contract=off", "-fno-math-errno", "-g0"],
       optional=True,
     )
   ]
