@@ -4,14 +4,16 @@
 //
 // The gradient's rows are coalesced as every kernel coalesces them
 // (`ffi_common.h`: each row's entries summed in input order from +0.0), and on
-// each distinct row the program runs over row-wide registers: register 0 holds
-// the row's summed gradient, 1 the parameter's row, 2.. each slot's row (read
-// in place), then the program's values. Ops on values that are the same for
-// every row (the hyper-parameters, constants and what is computed from them
-// alone) run once a call, before the rows (the prologue). At the end of a row
-// the new slot rows are written into the slot tables in place (aliased to the
-// outputs: donated tables are not copied) and the rule's rows (deltas, or new
-// values for a rule that sets rows) into the output; padding rows are zero.
+// each distinct row the program runs over registers of kChunk columns, chunk by
+// chunk: register 0 is the row's summed gradient (in the output), 1 the
+// parameter's row, 2.. each slot's row, all read where they lie (donated tables
+// are not copied); then the program's values, in thread-local lanes that stay
+// in L1. Ops on values that are the same for every row (the hyper-parameters,
+// constants and what is computed from them alone) run once a call, before the
+// rows (the prologue). The new slot rows and the rule's rows (deltas, or new
+// values for a rule that sets rows) are computed straight into the slot tables
+// and the output where no later op reads what they replace, else copied there at
+// the end of the chunk; padding rows are zero.
 //
 // Each op is one IEEE float32 operation, as XLA computes it: the kernels are
 // compiled without contraction (every product rounded), and the Python side
