@@ -319,3 +319,56 @@ def test_op_by_op_under_vmap_is_not_taken_for_jit():
   np.testing.assert_array_equal(runs[choice.GENERIC_KERNELS], runs[choice.GENERIC_XLA])
   assert row_program.traced_into_jit(jnp.ones(2)) is False
   assert jax.jit(lambda x: jnp.float32(row_program.traced_into_jit(x)))(1.0) == 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class UserLastGradients:
+  """A user's rule whose new slots are input rows: the gradient's, and another slot's old row
+  (the kernel copies them aside before it writes any output into the tables)."""
+
+  name: str = dataclasses.field(default="user_last_gradients", init=False)
+
+  def slots(self):
+    return (osa.Slot("last", init=0.25), osa.Slot("before"))
+
+  def update(self, block, hyper):
+    last = block.slots["last"]
+    return -hyper.learning_rate * last, {"last": block.grad, "before": last}
+
+
+@pytest.mark.parametrize(
+  ("make", "width"),
+  [
+    pytest.param(OPTS["ftrl_all_options"], 1, id="ftrl-width-1"),
+    pytest.param(OPTS["ftrl_all_options"], 100, id="ftrl-width-100"),
+    pytest.param(
+      lambda: osa.sparse_rule_transformation(UserLastGradients(), ClipHyper(0.1)),
+      100,
+      id="slots-set-to-input-rows-width-100",
+    ),
+  ],
+)
+def test_rows_of_any_width_and_slots_set_to_input_rows_keep_the_xla_ops_bits(make, width):
+  """The kernel runs a row in chunks of 64 columns: a row narrower than a chunk, and one of
+  a full chunk and a remainder (100); a rule setting slots to the gradient's and another
+  slot's old rows."""
+  runs = {}
+  for path in (choice.GENERIC_KERNELS, choice.GENERIC_XLA):
+    rng = np.random.default_rng(7)
+    opt = make()
+    params = {"t": jnp.asarray(rng.standard_normal((ROWS, width)), jnp.float32)}
+    state = opt.init(params)
+    step = jax.jit(train_step(opt), donate_argnums=(0, 1))
+    with choice.choose(forced=path):
+      for _ in range(2):
+        ids = rng.integers(0, ROWS, 12).astype(np.int32)
+        ids[:3] = ids[3]  # repeated rows
+        ids[-1] = -1  # padding
+        vals = rng.standard_normal((12, width)).astype(np.float32)
+        ids_2d = jnp.asarray(ids)[:, None]
+        grad = {"t": sparse.BCOO((jnp.asarray(vals), ids_2d), shape=(ROWS, width))}
+        if path == choice.GENERIC_KERNELS:
+          assert "optax_sparse_adam_row_program" in step.lower(params, state, grad).as_text()
+        params, state = step(params, state, grad)
+    runs[path] = (params, state)
+  _assert_same_bits(runs[choice.GENERIC_KERNELS], runs[choice.GENERIC_XLA])

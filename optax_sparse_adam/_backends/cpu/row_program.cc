@@ -4,14 +4,16 @@
 //
 // The gradient's rows are coalesced as every kernel coalesces them
 // (`ffi_common.h`: each row's entries summed in input order from +0.0), and on
-// each distinct row the program runs over row-wide registers: register 0 holds
-// the row's summed gradient, 1 the parameter's row, 2.. each slot's row (read
-// in place), then the program's values. Ops on values that are the same for
-// every row (the hyper-parameters, constants and what is computed from them
-// alone) run once a call, before the rows (the prologue). At the end of a row
-// the new slot rows are written into the slot tables in place (aliased to the
-// outputs: donated tables are not copied) and the rule's rows (deltas, or new
-// values for a rule that sets rows) into the output; padding rows are zero.
+// each distinct row the program runs over registers of kChunk columns, chunk by
+// chunk: register 0 is the row's summed gradient (in the output), 1 the
+// parameter's row, 2.. each slot's row, all read where they lie (donated tables
+// are not copied); then the program's values, in thread-local lanes that stay
+// in L1. Ops on values that are the same for every row (the hyper-parameters,
+// constants and what is computed from them alone) run once a call, before the
+// rows (the prologue). The new slot rows and the rule's rows (deltas, or new
+// values for a rule that sets rows) are computed straight into the slot tables
+// and the output where no later op reads what they replace, else copied there at
+// the end of the chunk; padding rows are zero.
 //
 // Each op is one IEEE float32 operation, as XLA computes it: the kernels are
 // compiled without contraction (every product rounded), and the Python side
@@ -69,6 +71,27 @@ struct Op {
   int32_t code, dst, a, b, c;
 };
 
+// The registers an op reads: a; a and b; or a, b and c (an op names 0 for those it does not
+// read, and kConst's and kScalar's `a` is a value).
+int Arity(int32_t code) {
+  switch (code) {
+    case kConst:
+    case kScalar: return 0;
+    case kCopy:
+    case kNeg:
+    case kAbs:
+    case kSqrt:
+    case kSign:
+    case kNot:
+    case kBoolToF32: return 1;
+    case kSelect:
+    case kFma:
+    case kFms:
+    case kFnma: return 3;
+    default: return 2;
+  }
+}
+
 // Register lanes are 32 bits read as float32 by the arithmetic and as bits by the
 // others: types that may alias each other.
 typedef float __attribute__((may_alias)) LaneF;
@@ -87,9 +110,16 @@ inline __attribute__((always_inline)) void Map(D* __restrict__ d, const S* __res
   for (int64_t j = 0; j < n; ++j) d[j] = f(a[j], b[j]);
 }
 
-// Runs `num_ops` ops over `n` lanes; `reg[k]` holds register k's lanes.
-OSA_MULTIVERSIONED void RunOps(const Op* ops, int64_t num_ops, uint32_t* const* reg, int64_t n,
-                               const uint32_t* scalars) {
+// Lanes a register holds: a chunk of a row (the whole row where it is no wider), small
+// enough that every register of a program stays in L1 while the ops run over it.
+constexpr int64_t kChunk = 64;
+
+// Runs `num_ops` ops over `N` lanes (`N == 0`: over `num_lanes`); `reg[k]` holds register
+// k's lanes. A fixed `N` lets each op's loop be unrolled with no remainder.
+template <int64_t N>
+OSA_MULTIVERSIONED_TEMPLATE void RunOps(const Op* ops, int64_t num_ops, uint32_t* const* reg,
+                                        int64_t num_lanes, const uint32_t* scalars) {
+  const int64_t n = N > 0 ? N : num_lanes;
   for (int64_t i = 0; i < num_ops; ++i) {
     const Op op = ops[i];
     LaneU* du = reg[op.dst];
@@ -216,19 +246,19 @@ ffi::Error ReadProgram(ffi::Span<const int32_t> code, int64_t num_slots, int64_t
   return ffi::Error::Success();
 }
 
-// Rows a program runs on at once: its ops run over kBlockRows * row_size lanes.
-constexpr int64_t kBlockRows = 8;
-
 // Inputs: rows s32 (nse,), values (f32, bf16 or f16, (nse, ...)), param f32 (its own
 // shape; empty where the rule does not read it), scalars u32 (the program's scalars'
 // bits), then each slot table (f32, the parameter's shape). Attributes: num_rows, program.
 // Outputs: the distinct rows then padding, the rows' results (f32), each slot table
 // (aliased to its input).
 //
-// Two passes: the rows coalesced, their gradients summed into the output (the table
-// rows they touch prefetched); then, in blocks of kBlockRows distinct rows, the table
-// rows copied into the block's registers, the program run over the block, and the
-// new rows copied back.
+// One pass over the distinct rows (the table rows they touch prefetched): a row's
+// gradient entries summed into the output, then the program run over the row in chunks
+// of kChunk columns. A chunk's input registers are the rows where they lie (the summed
+// gradient in the output, the parameter's and each slot's row in their tables: nothing
+// is staged); its other registers are thread-local and stay in L1; at the chunk's end
+// the new slot values are written into the slot tables and the rule's values over the
+// gradient's sums.
 ffi::Error RowProgramImpl(ffi::Buffer<ffi::S32> rows, ffi::AnyBuffer values,
                           ffi::Buffer<ffi::F32> param, ffi::Buffer<ffi::U32> scalars,
                           ffi::RemainingArgs slots, int64_t num_rows,
@@ -266,76 +296,115 @@ ffi::Error RowProgramImpl(ffi::Buffer<ffi::S32> rows, ffi::AnyBuffer values,
   if (!has_param && p.read[kInputRegs - 1]) {
     return ffi::Error::InvalidArgument("the program reads the parameter's rows: give param");
   }
-  // The tables whose rows the program reads (copied into its input registers).
-  std::vector<char> staged_tables(tables.size());
+  // The tables whose rows are prefetched: the parameter's if the program reads it, each slot's.
+  std::vector<char> prefetched(tables.size());
   for (size_t k = 0; k < tables.size(); ++k) {
-    staged_tables[k] = tables[k] != nullptr && p.read[kInputRegs - 1 + k];
+    prefetched[k] = tables[k] != nullptr && (k > 0 || p.read[kInputRegs - 1]);
   }
-  const int64_t lanes = kBlockRows * row_size;
-  // The prologue: every row's uniform values, once, block-wide.
-  std::vector<uint32_t> uniform_lanes(p.num_regs * lanes);
+  // The chunk's outputs: each slot's new values into its table, then the rule's values
+  // over the gradient's sums (register 0). An output whose value is another input
+  // register (a rule that stores the gradient in a slot, say) is copied aside before any
+  // output is written; one whose value is its own input register is not written.
+  struct Output {
+    int64_t src, dst;  // registers: the value, the input register it replaces
+  };
+  std::vector<Output> outputs;
+  const int64_t num_inputs = kInputRegs + num_slots;
+  for (int64_t k = 0; k < num_slots; ++k) outputs.push_back({p.slot_regs[k], kInputRegs + k});
+  outputs.push_back({p.out_reg, 0});
+  std::vector<Output> writes, staged;  // staged: src an input register, copied aside first
+  for (const Output& o : outputs) {
+    if (o.src == o.dst) continue;
+    (o.src < num_inputs ? staged : writes).push_back(o);
+  }
+  // An output computed into a register of its own whose destination is read by no op after
+  // that register's first write (nor by a staged output) is computed in place: the
+  // register is the destination's lanes, and nothing is copied.
+  std::vector<Output> in_place, copied;
+  for (const Output& o : writes) {
+    bool ok = !p.uniform[o.src];
+    for (const Output& other : outputs) ok = ok && (&other == &o || other.src != o.src);
+    for (const Output& other : staged) ok = ok && other.src != o.dst;
+    int64_t first_write = -1, last_read = -1;
+    for (int64_t i = 0; i < p.num_row_ops; ++i) {
+      const Op& op = p.row_ops[i];
+      if (op.dst == o.src && first_write < 0) first_write = i;
+      const int arity = Arity(op.code);
+      if ((arity > 0 && op.a == o.dst) || (arity > 1 && op.b == o.dst) ||
+          (arity > 2 && op.c == o.dst)) {
+        last_read = i;
+      }
+    }
+    // An op may read the destination and write the register (lane by lane, in place).
+    ok = ok && first_write >= 0 && last_read <= first_write;
+    (ok ? in_place : copied).push_back(o);
+  }
+  // The prologue: every row's uniform values, once, chunk-wide.
+  std::vector<uint32_t> uniform_lanes(p.num_regs * kChunk);
   std::vector<uint32_t*> uniform_reg(p.num_regs);
-  for (int64_t r = 0; r < p.num_regs; ++r) uniform_reg[r] = uniform_lanes.data() + r * lanes;
-  RunOps(p.prologue, p.num_prologue, uniform_reg.data(), lanes, scalars.typed_data());
+  for (int64_t r = 0; r < p.num_regs; ++r) uniform_reg[r] = uniform_lanes.data() + r * kChunk;
+  RunOps<kChunk>(p.prologue, p.num_prologue, uniform_reg.data(), kChunk, scalars.typed_data());
 
   float* g = out->typed_data();
   int32_t* unique_rows = distinct_rows->typed_data();
   const size_t row_bytes = sizeof(float) * row_size;
   return WithValues(values, [&](const auto* vals) {
-    // `ForEachCoalescedRow`'s chunks of distinct rows, each chunk run in blocks.
+    // `ForEachCoalescedRow`'s chunks of distinct rows.
     std::vector<uint32_t> sorted_rows, position;
     const int64_t n_in_range = SortRows(rows.typed_data(), nse, num_rows, sorted_rows, position);
     const std::vector<int64_t> starts = RunStarts(sorted_rows, n_in_range);
     const int64_t num_unique = static_cast<int64_t>(starts.size()) - 1;
     const int64_t num_chunks = std::max<int64_t>(
         1, std::min<int64_t>(num_unique, kChunksPerThread * (pool.num_threads() + 1)));
-    // One block of rows: the tables' rows copied into the input registers, the program
-    // run over the block, the new rows copied back.
-    const auto run_block = [&](int64_t begin, int64_t n, uint32_t** reg) {
-      reg[0] = reinterpret_cast<uint32_t*>(g + begin * row_size);  // the sums, in place
-      RunOps(p.row_ops, p.num_row_ops, reg, n * row_size, scalars.typed_data());
-      for (int64_t k = 0; k < num_slots; ++k) {
-        const char* result = reinterpret_cast<const char*>(reg[p.slot_regs[k]]);
-        for (int64_t i = 0; i < n; ++i) {
-          std::memcpy(tables[1 + k] + unique_rows[begin + i] * row_size, result + i * row_bytes,
-                      row_bytes);
-        }
-      }
-      std::memcpy(g + begin * row_size, reg[p.out_reg], row_bytes * n);
-    };
     auto run_chunk = [&](int64_t chunk) {
       const int64_t begin = num_unique * chunk / num_chunks;
       const int64_t end = num_unique * (chunk + 1) / num_chunks;
+      // The registers past the inputs: the prologue's (shared) or this thread's; then
+      // one aside per staged output.
       thread_local std::vector<uint32_t> local;
       thread_local std::vector<uint32_t*> reg;
-      local.resize(p.num_regs * lanes);
+      local.resize((p.num_regs + staged.size()) * kChunk);
       reg.resize(p.num_regs);
-      for (int64_t r = 0; r < p.num_regs; ++r) {
-        reg[r] = p.uniform[r] ? uniform_reg[r] : local.data() + r * lanes;
+      for (int64_t r = num_inputs; r < p.num_regs; ++r) {
+        reg[r] = p.uniform[r] ? uniform_reg[r] : local.data() + r * kChunk;
       }
-      std::vector<uint32_t*> staged(reg.begin() + 1, reg.begin() + 1 + tables.size());
-      int64_t block_begin = begin;
+      uint32_t* aside = local.data() + p.num_regs * kChunk;
       for (int64_t s = begin; s < end; ++s) {
         if (s + kPrefetchRows < end) {
           const int64_t ahead = s + kPrefetchRows;
           const int64_t row = sorted_rows[starts[ahead]];
           for (size_t k = 0; k < tables.size(); ++k) {
-            if (staged_tables[k]) PrefetchRow(tables[k] + row * row_size, row_size);
+            if (prefetched[k]) PrefetchRow(tables[k] + row * row_size, row_size);
           }
           PrefetchEntries(vals, position.data(), starts[ahead], starts[ahead + 1], row_size);
         }
         const int64_t row = sorted_rows[starts[s]];
         unique_rows[s] = static_cast<int32_t>(row);
-        SumEntries(g + s * row_size, vals, position.data(), starts[s], starts[s + 1], row_size);
-        const int64_t i = s - block_begin;
-        for (size_t k = 0; k < tables.size(); ++k) {
-          if (!staged_tables[k]) continue;  // a row the program does not read
-          float* into = reinterpret_cast<float*>(staged[k]) + i * row_size;
-          std::memcpy(into, tables[k] + row * row_size, row_bytes);
-        }
-        if (i + 1 == kBlockRows || s + 1 == end) {
-          run_block(block_begin, i + 1, reg.data());
-          block_begin = s + 1;
+        float* sums = g + s * row_size;
+        SumEntries(sums, vals, position.data(), starts[s], starts[s + 1], row_size);
+        for (int64_t j = 0; j < row_size; j += kChunk) {
+          const int64_t n = std::min(kChunk, row_size - j);
+          reg[0] = reinterpret_cast<uint32_t*>(sums + j);
+          for (size_t k = 0; k < tables.size(); ++k) {  // the parameter (or none), each slot
+            reg[1 + k] = tables[k] == nullptr
+                             ? nullptr
+                             : reinterpret_cast<uint32_t*>(tables[k] + row * row_size + j);
+          }
+          for (const Output& o : in_place) reg[o.src] = reg[o.dst];
+          if (n == kChunk) {
+            RunOps<kChunk>(p.row_ops, p.num_row_ops, reg.data(), n, scalars.typed_data());
+          } else {
+            RunOps<0>(p.row_ops, p.num_row_ops, reg.data(), n, scalars.typed_data());
+          }
+          for (size_t o = 0; o < staged.size(); ++o) {
+            std::memcpy(aside + o * kChunk, reg[staged[o].src], sizeof(uint32_t) * n);
+          }
+          for (size_t o = 0; o < staged.size(); ++o) {
+            std::memcpy(reg[staged[o].dst], aside + o * kChunk, sizeof(uint32_t) * n);
+          }
+          for (const Output& o : copied) {
+            std::memcpy(reg[o.dst], reg[o.src], sizeof(uint32_t) * n);
+          }
         }
       }
     };
