@@ -30,6 +30,7 @@
 #include <vector>
 
 #include "ffi_common.h"
+#include "row_round.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -285,6 +286,72 @@ ffi::Error FusedAdamImpl(ffi::Buffer<ffi::S32> rows, ffi::AnyBuffer values,
         AdamRow<typename R::Mu, typename R::Nu, R::kStochastic>(
             r.g, r.m, r.v, r.size, maximize, c[0], c[1], c[2], neg_step_size, r.key);
       });
+}
+
+// The Adam step of a bfloat16 or float16 table rounded stochastically
+// (`param_rounding`), in one pass: each distinct row's delta as `FusedAdamImpl`
+// computes it, then its new value `round(table[row] + delta)` (`AddRoundRow`, the
+// bits of `row_round.add_rounded_rows` and `xla.rounded_param_rows`) while the row
+// is at hand, the table's row prefetched with the moments'. Buffers as the Adam
+// step's, then table (bf16 or f16, read) and param_keys u32 (2,) (the parameter's
+// key of this step, `rounding.kernel_keys` at `PARAM_SLOT`, and the table's first
+// global row); outputs as the Adam step's, then new_rows (nse, row_size) in the
+// table's dtype, zeros at padding (the apply stores them: `row_store.cc`).
+ffi::Error FusedAdamRoundedImpl(ffi::Buffer<ffi::S32> rows, ffi::AnyBuffer values,
+                                ffi::AnyBuffer mu, ffi::AnyBuffer nu, ffi::Buffer<ffi::F32> coeffs,
+                                ffi::Buffer<ffi::U32> keys, ffi::AnyBuffer table,
+                                ffi::Buffer<ffi::U32> param_keys, int64_t num_rows, bool maximize,
+                                bool stochastic, ffi::ThreadPool pool,
+                                ffi::ResultBuffer<ffi::S32> distinct_rows,
+                                ffi::ResultBuffer<ffi::F32> delta,
+                                ffi::Result<ffi::AnyBuffer> mu_out,
+                                ffi::Result<ffi::AnyBuffer> nu_out,
+                                ffi::Result<ffi::AnyBuffer> new_rows) {
+  const ffi::DataType type = table.element_type();
+  if (type != ffi::DataType::BF16 && type != ffi::DataType::F16) {
+    return ffi::Error::InvalidArgument("table must be bfloat16 or float16");
+  }
+  const int64_t nse = static_cast<int64_t>(rows.element_count());
+  const int64_t row_size = RowSize(table.element_count(), num_rows);
+  if (row_size <= 0 || row_size != RowSize(mu.element_count(), num_rows) ||
+      static_cast<int64_t>(new_rows->element_count()) != nse * row_size ||
+      new_rows->element_type() != type || param_keys.element_count() != 2) {
+    return ffi::Error::InvalidArgument(
+        "table must hold num_rows rows of mu's size, new_rows nse rows of its dtype; "
+        "param_keys (2,)");
+  }
+  MomentStep step{rows,       values, mu,   nu,            coeffs, keys,   num_rows,
+                  stochastic, pool,   distinct_rows, delta, mu_out, nu_out};
+  const float* c = coeffs.typed_data();
+  const float neg_step_size = -c[3];
+  const float* delta_base = delta->typed_data();
+  const auto* t = static_cast<const uint16_t*>(table.untyped_data());
+  auto* out = static_cast<uint16_t*>(new_rows->untyped_data());
+  const uint32_t param_key = param_keys.typed_data()[0];
+  const uint32_t row_offset = param_keys.typed_data()[1];
+  const auto run = [&](auto f16_tag) {
+    constexpr bool kF16 = decltype(f16_tag)::value;
+    return RunMomentStep<4, false>(
+        step,
+        [&](auto r) {
+          using R = decltype(r);
+          AdamRow<typename R::Mu, typename R::Nu, R::kStochastic>(
+              r.g, r.m, r.v, r.size, maximize, c[0], c[1], c[2], neg_step_size, r.key);
+          const int64_t s = (r.g - delta_base) / r.size;  // the row's place in the output
+          AddRoundRow<kF16, true>(
+              out + s * r.size, t + r.row * r.size, r.g, r.size,
+              RowKey(param_key, static_cast<uint32_t>(r.row) + row_offset));
+        },
+        [&](int64_t row) { PrefetchRow(t + row * row_size, row_size); });
+  };
+  const ffi::Error error =
+      type == ffi::DataType::F16 ? run(std::true_type{}) : run(std::false_type{});
+  if (error.failure()) return error;
+  const int32_t* d = distinct_rows->typed_data();
+  for (int64_t s = 0; s < nse; ++s) {  // padding (out of range): zeros
+    if (d[s] < 0 || d[s] >= num_rows) std::memset(out + s * row_size, 0, 2 * row_size);
+  }
+  return ffi::Error::Success();
 }
 
 // Catch-up of idle rows (`_core/catch_up.py`) in float32, operation for
@@ -789,6 +856,12 @@ auto OptionStepOutputs(Binding&& binding) {
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(OsaFusedAdamF32, FusedAdamImpl,
                               MomentStepOutputs(RowStepAttrs(MomentStepInputs())));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    OsaFusedAdamRoundedF32, FusedAdamRoundedImpl,
+    MomentStepOutputs(
+        RowStepAttrs(MomentStepInputs().Arg<ffi::AnyBuffer>().Arg<ffi::Buffer<ffi::U32>>()))
+        .Ret<ffi::AnyBuffer>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     OsaFusedRowwiseAdamF32, FusedRowwiseAdamImpl,

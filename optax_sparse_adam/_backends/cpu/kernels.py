@@ -104,6 +104,11 @@ def available() -> bool:
       platform="cpu",
     )
     jax.ffi.register_ffi_target(
+      moment_steps.FUSED_ADAM_ROUNDED,
+      jax.ffi.pycapsule(library.OsaFusedAdamRoundedF32),
+      platform="cpu",
+    )
+    jax.ffi.register_ffi_target(
       moment_steps.FUSED_ROWWISE_ADAM,
       jax.ffi.pycapsule(library.OsaFusedRowwiseAdamF32),
       platform="cpu",
