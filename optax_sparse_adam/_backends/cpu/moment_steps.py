@@ -33,7 +33,8 @@ from optax_sparse_adam._core.rules import RowsStep, StepInputs, StepPlan, Tables
 FUSED_ADAM = "optax_sparse_adam_fused_adam_f32"
 FUSED_ADAM_OPTIONS = "optax_sparse_adam_fused_adam_options_f32"
 FUSED_ROWWISE_ADAM = "optax_sparse_adam_fused_rowwise_adam_f32"
-# The plain Adam step of a 16-bit table rounded stochastically, its rows rounded in its pass.
+# The plain Adam step with 16-bit rows out: a 16-bit table's rows rounded stochastically in
+# its pass, or a 16-bit gradient's delta converted to its dtype there.
 FUSED_ADAM_ROUNDED = "optax_sparse_adam_fused_adam_rounded_f32"
 ENTRY_STEPS = "optax_sparse_adam_entry_steps_s32"
 # Under jax.vmap a kernel runs once per batch element (a loop around the call).
@@ -61,6 +62,9 @@ def adam_step(inputs: StepInputs, plan: StepPlan) -> RowsStep:
   return RowsStep(rows, delta, Tables({"mu": mu, "nu": nu}))
 
 
+_SIXTEEN_BITS = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
 def rounds_in_pass(inputs: StepInputs, plan: StepPlan) -> bool:
   """Whether `adam_rounded_step` computes this step: the plain Adam step (`plain`) of a
   bfloat16 or float16 table of the moments' rows, rounded stochastically, with a step
@@ -72,8 +76,20 @@ def rounds_in_pass(inputs: StepInputs, plan: StepPlan) -> bool:
     and plan.config.param_rounding == "stochastic"
     and inputs.step is not None
     and param is not None
-    and jnp.dtype(param.dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+    and jnp.dtype(param.dtype) in _SIXTEEN_BITS
     and param.size == inputs.tables.slots["mu"].size
+  )
+
+
+def narrows_in_pass(inputs: StepInputs, plan: StepPlan) -> bool:
+  """Whether `adam_narrow_step` computes this step: the plain Adam step of a bfloat16 or
+  float16 gradient (its delta in the gradient's dtype), not rounded stochastically, where
+  the fused kernel applies (`kernels.step_applies`)."""
+  return (
+    isinstance(plan.rule, AdamRule)
+    and plain(inputs, plan)
+    and plan.config.param_rounding != "stochastic"
+    and jnp.dtype(inputs.values.dtype) in _SIXTEEN_BITS
   )
 
 
@@ -87,24 +103,52 @@ def adam_rounded_step(inputs: StepInputs, plan: StepPlan) -> RowsStep:
   `row_round.h`). Returns the new rows (the table's dtype, zeros at padding) in place
   of the delta, for the apply to store.
   """
-  assert rounds_in_pass(inputs, plan) and isinstance(plan.rule, AdamRule)
+  assert rounds_in_pass(inputs, plan)
   param = inputs.tables.param
   assert param is not None
-  step_size = plan.rule.step_size(inputs.hyper, inputs.step)
   keys = rounding.kernel_keys(inputs.step, rounding.PARAM_SLOT, inputs.row_offset)
+  return _adam_16_bit_step(inputs, plan, param, keys, param.dtype, narrow_delta=False)
+
+
+def adam_narrow_step(inputs: StepInputs, plan: StepPlan) -> RowsStep:
+  """The plain Adam step of a 16-bit gradient, its delta converted in the kernel's pass.
+
+  Where `narrows_in_pass`: `kernels.in_values_dtype`'s result (the delta in the
+  gradient's dtype, to nearest: the bits of XLA's convert) with no convert after the
+  kernel (`FusedAdamRoundedImpl` with `narrow_delta`).
+  """
+  assert narrows_in_pass(inputs, plan)
+  dtype = inputs.values.dtype
+  keys = jnp.zeros((2,), jnp.uint32)  # unused: nothing rounds stochastically
+  return _adam_16_bit_step(inputs, plan, jnp.zeros((0,), dtype), keys, dtype, narrow_delta=True)
+
+
+def _adam_16_bit_step(
+  inputs: StepInputs,
+  plan: StepPlan,
+  table: jax.Array,
+  keys: jax.Array,
+  dtype: Any,
+  *,
+  narrow_delta: bool,
+) -> RowsStep:
+  """The plain Adam kernel with 16-bit rows out (`FusedAdamRoundedImpl`) in place of the
+  delta: the new rows of `table` rounded stochastically, or the delta to nearest."""
+  assert isinstance(plan.rule, AdamRule)
+  step_size = plan.rule.step_size(inputs.hyper, inputs.step)
   nse = inputs.rows.shape[0]
-  rows, _, mu, nu, new_rows = _fused_call(
+  rows, _, mu, nu, out = _fused_call(
     FUSED_ADAM_ROUNDED,
     inputs,
     plan,
     [step_size],
     None,
-    read=(param, keys.astype(jnp.uint32)),
-    more_outputs=(jax.ShapeDtypeStruct((nse, *param.shape[1:]), param.dtype),),
+    read=(table, keys.astype(jnp.uint32)),
+    more_outputs=(jax.ShapeDtypeStruct(inputs.values.shape, dtype),),
+    narrow_delta=narrow_delta,
   )
-  return RowsStep(
-    rows, new_rows.reshape((nse, *inputs.values.shape[1:])), Tables({"mu": mu, "nu": nu})
-  )
+  assert out.shape[0] == nse
+  return RowsStep(rows, out, Tables({"mu": mu, "nu": nu}))
 
 
 def _rounding_keys(inputs: StepInputs, plan: StepPlan) -> jax.Array:
