@@ -58,23 +58,29 @@ CASES = [
   ("bf16 table, bf16 gradient, nearest", jnp.bfloat16, jnp.bfloat16, "nearest"),
   ("bf16 table, f32 gradient, nearest", jnp.bfloat16, jnp.float32, "nearest"),
 ]
-# With `--two-pass`: the stochastic cases as they ran before the Adam kernel rounded its
-# rows in its own pass (the kernel's delta, then `row_round.add_rounded_rows`), for reference.
-TWO_PASS = [(f"{label} (two passes)", *rest) for label, *rest in CASES if rest[2] == "stochastic"]
+# With `--two-pass`: the 16-bit cases as they ran before the Adam kernel wrote 16-bit rows
+# in its own pass (its float32 delta, then `row_round.add_rounded_rows` or XLA's convert to
+# the gradient's dtype), for reference.
+TWO_PASS = [
+  (f"{label} (two passes)", *rest)
+  for label, *rest in CASES
+  if rest[2] == "stochastic" or jnp.dtype(rest[1]) != jnp.dtype(jnp.float32)
+]
 
 
 @contextlib.contextmanager
 def _two_passes(on: bool):
-  """Within the block, steps traced round a 16-bit table's rows after the kernel's pass."""
+  """Within the block, steps traced round a 16-bit table's rows (or convert a 16-bit
+  gradient's delta) after the kernel's pass."""
   if not on:
     yield
     return
-  saved = moment_steps.rounds_in_pass
-  moment_steps.rounds_in_pass = lambda inputs, plan: False
+  saved = moment_steps.rounds_in_pass, moment_steps.narrows_in_pass
+  moment_steps.rounds_in_pass = moment_steps.narrows_in_pass = lambda inputs, plan: False
   try:
     yield
   finally:
-    moment_steps.rounds_in_pass = saved
+    moment_steps.rounds_in_pass, moment_steps.narrows_in_pass = saved
 
 
 def _stepper(dtype, grad_dtype, rounding, batches, *, num_rows, dim, mesh, two_pass=False):

@@ -217,6 +217,7 @@ def test_a_bfloat16_gradient_takes_the_fused_kernel_in_xla_bits(name, table_dtyp
     vals = rng.standard_normal((10, WIDTH)).astype(np.float32) * 30
     vals[0] = -0.0
     vals[1, :3] = [np.nan, np.inf, -np.inf]  # summed into a repeated row's NaN and infs
+    vals[7, 8:11] = [-np.nan, np.inf, -0.0]  # a row's first (likely only) entry
     vals = jnp.asarray(vals, jnp.bfloat16)
     grads.append({"t": sparse.BCOO((vals, jnp.asarray(ids)[:, None]), shape=(ROWS, WIDTH))})
   runs = {}
