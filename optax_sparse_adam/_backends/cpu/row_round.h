@@ -80,13 +80,18 @@ inline uint16_t Nearest(float x) {
 // beyond the dtype's largest saturated to it, NaN and inf to nearest.
 template <bool kF16>
 inline uint16_t Stochastic(float x, uint32_t u) {
-  if (!std::isfinite(x)) return Nearest<kF16>(x);
-  const uint16_t sign = static_cast<uint16_t>((Bits(x) >> 16) & 0x8000u);
   if constexpr (!kF16) {
-    const uint32_t up = (Bits(x) + u) >> 16;
-    return (up & 0x7FFFu) == 0x7F80u ? static_cast<uint16_t>(sign | 0x7F7Fu)
-                                     : static_cast<uint16_t>(up);
+    // Branch-free (selects on the bits), so that the row loop vectorizes: a finite value
+    // carried up into inf is saturated; inf and NaN take `Bf16Bits<false>`'s nearest.
+    const uint32_t word = Bits(x);
+    const uint32_t up = (word + u) >> 16;  // finite: no carry out of 32 bits
+    const uint32_t saturated = ((word >> 16) & 0x8000u) | 0x7F7Fu;
+    const uint32_t stochastic = (up & 0x7FFFu) == 0x7F80u ? saturated : up;
+    const uint32_t finite = 0u - static_cast<uint32_t>((word & 0x7F800000u) != 0x7F800000u);
+    const uint32_t nearest = Bf16Bits<false>(x, 0u);
+    return static_cast<uint16_t>((stochastic & finite) | (nearest & ~finite));
   }
+  if (!std::isfinite(x)) return Nearest<kF16>(x);
   return static_cast<uint16_t>(F16Nearest(F16StochasticValue(x, u)));
 }
 
