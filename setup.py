@@ -21,7 +21,10 @@ setup(
         "optax_sparse_adam/_backends/cpu/row_program.cc",
       ],
       # Shared by the sources; listed so that the sdist carries it and edits rebuild.
-      depends=["optax_sparse_adam/_backends/cpu/ffi_common.h"],
+      depends=[
+        "optax_sparse_adam/_backends/cpu/ffi_common.h",
+        "optax_sparse_adam/_backends/cpu/row_round.h",
+      ],
       include_dirs=[jax.ffi.include_dir()],
       language="c++",
       # -ffp-contract=off: no FMA, every product rounded, as in XLA and torch.

@@ -7,6 +7,7 @@ counts and the update BCOO must agree in every bit (compared as integers, so
 """
 
 import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -180,6 +181,7 @@ def _compiled_text(opt, *, shape=(50, 8), dtype=jnp.float32, cpu_kernels=True):
 
 ADAM_KERNEL = "optax_sparse_adam_fused_adam_f32"
 ADAM_OPTIONS_KERNEL = "optax_sparse_adam_fused_adam_options_f32"
+ADAM_16_BIT_KERNEL = "optax_sparse_adam_fused_adam_rounded_f32"
 ADD_KERNEL = "optax_sparse_adam_scatter_add_rows_f32"
 
 
@@ -203,11 +205,13 @@ def test_kernels_appear_in_the_cpu_step_only_where_they_apply():
   for rounding in ("nearest", "stochastic"):
     opt = osa.sparse_adam(1e-3, mu_dtype=jnp.bfloat16, moment_rounding=rounding)
     assert ADAM_KERNEL in _compiled_text(opt)
-  # A bf16 table and gradient: the Adam kernel (its sums rounded to bf16 at every add), and
+  # A bf16 table and gradient: the Adam kernel with 16-bit rows out (its sums rounded to
+  # bf16 at every add; its delta converted to bf16 in its pass, not by an XLA convert), and
   # the apply by the 16-bit kernel, not the float32 one.
   bf16 = _compiled_text(osa.sparse_adam(1e-3), dtype=jnp.bfloat16)
-  assert ADAM_KERNEL in bf16 and ADD_KERNEL not in bf16
+  assert ADAM_16_BIT_KERNEL in bf16 and ADD_KERNEL not in bf16
   assert "optax_sparse_adam_add_rows_in_place" in bf16
+  assert re.search(r"= bf16\[1,8\]\S* convert\(f32", bf16) is None  # the delta's convert
   # The kernels read a float32 parameter only (decoupled weight decay here).
   bf16 = _compiled_text(osa.sparse_adamw(1e-3), dtype=jnp.bfloat16)
   assert ADAM_OPTIONS_KERNEL not in bf16

@@ -109,32 +109,44 @@ def test_add_rows_in_place_equals_the_xla_scatter_add(dtype, rows_unique, values
   assert not np.array_equal(_bits(got), _bits(table))
 
 
-# Two of the four in the default tier (each dtype, each rounding); the others are slow.
+# Each dtype and rounding once in the default tier, and each 16-bit gradient rounded
+# stochastically (the one-pass kernel); the others are slow.
 @pytest.mark.parametrize(
-  "dtype, param_rounding",
+  "dtype, param_rounding, grad_dtype",
   [
-    (jnp.bfloat16, "stochastic"),
-    (jnp.float16, "nearest"),
-    pytest.param(jnp.bfloat16, "nearest", marks=pytest.mark.slow),
-    pytest.param(jnp.float16, "stochastic", marks=pytest.mark.slow),
+    (jnp.bfloat16, "stochastic", jnp.float32),
+    (jnp.float16, "nearest", jnp.float32),
+    (jnp.bfloat16, "stochastic", jnp.bfloat16),
+    (jnp.float16, "stochastic", jnp.float16),
+    pytest.param(jnp.bfloat16, "nearest", jnp.float32, marks=pytest.mark.slow),
+    pytest.param(jnp.float16, "stochastic", jnp.float32, marks=pytest.mark.slow),
   ],
+  ids=lambda x: jnp.dtype(x).name if not isinstance(x, str) else x,
 )
-def test_fused_steps_on_16_bit_tables_use_the_kernels_in_xla_bits(dtype, param_rounding):
-  """Adam's fused kernel on a bf16/f16 table with a float32 gradient: the rows rounded
-  by `add_rounded_rows` (stochastic) or added in place by `add_rows_in_place` (nearest);
-  three jitted, donated steps with repeated and padding rows equal the XLA ops' bits, and
-  the compiled step has no table-sized temporary or copy."""
+def test_fused_steps_on_16_bit_tables_use_the_kernels_in_xla_bits(
+  dtype, param_rounding, grad_dtype
+):
+  """Adam's fused kernel on a bf16/f16 table: the rows rounded in the kernel's own pass
+  (stochastic: `fused_adam_rounded`, then stored by the row store; no second pass over
+  the rows) or added in place by `add_rows_in_place` (nearest); three jitted, donated
+  steps with repeated and padding rows, inf, NaN, -0.0, float16 subnormals and float16's
+  largest value (a step up saturated when rounded stochastically) equal the XLA ops' bits,
+  and the compiled step has no table-sized temporary or copy."""
   opt = osa.sparse_adam(
     1e-2, mu_dtype=jnp.float32, nu_dtype=jnp.float32, param_rounding=param_rounding
   )
   table0 = np.asarray(np.random.default_rng(0).standard_normal((ROWS, WIDTH)), np.float32)
+  table0[5] = 65504.0  # float16's largest finite value: a step up saturates (stochastic)
+  table0[6] = np.float32(3e-6)  # float16: subnormal
+  table0[8, :4] = [np.inf, -np.inf, np.nan, -0.0]
   rng = np.random.default_rng(4)
   grads = []
   for _ in range(3):
     ids = rng.integers(0, ROWS, 10).astype(np.int32)
     ids[:3] = ids[3]  # repeated rows
+    ids[4:7] = [5, 6, 8]  # the special rows above
     ids[-1] = -1  # padding
-    vals = jnp.asarray(rng.standard_normal((10, WIDTH)), jnp.float32)
+    vals = jnp.asarray(rng.standard_normal((10, WIDTH)), grad_dtype)
     grads.append({"t": sparse.BCOO((vals, jnp.asarray(ids)[:, None]), shape=(ROWS, WIDTH))})
   runs = {}
   for on in (True, False):
@@ -151,8 +163,12 @@ def test_fused_steps_on_16_bit_tables_use_the_kernels_in_xla_bits(dtype, param_r
   params = {"t": jnp.zeros((NUM_ROWS, DIM), dtype)}
   hlo = _compile(opt, params, {"t": _grad((NUM_ROWS, DIM), 1, rng)}).as_text()
   assert _table_copies(hlo) == []
-  kernel = "add_rounded_rows" if param_rounding == "stochastic" else "add_rows_in_place"
-  assert f"optax_sparse_adam_{kernel}" in hlo
+  if param_rounding == "stochastic":  # one pass rounds the rows, the apply stores them
+    assert "optax_sparse_adam_fused_adam_rounded_f32" in hlo
+    assert "optax_sparse_adam_store_rows" in hlo
+    assert "optax_sparse_adam_add_rounded_rows" not in hlo
+  else:
+    assert "optax_sparse_adam_add_rows_in_place" in hlo
 
 
 BF16_GRAD_OPTS = {
@@ -200,6 +216,8 @@ def test_a_bfloat16_gradient_takes_the_fused_kernel_in_xla_bits(name, table_dtyp
     ids[-1] = -1  # padding
     vals = rng.standard_normal((10, WIDTH)).astype(np.float32) * 30
     vals[0] = -0.0
+    vals[1, :3] = [np.nan, np.inf, -np.inf]  # summed into a repeated row's NaN and infs
+    vals[7, 8:11] = [-np.nan, np.inf, -0.0]  # a row's first (likely only) entry
     vals = jnp.asarray(vals, jnp.bfloat16)
     grads.append({"t": sparse.BCOO((vals, jnp.asarray(ids)[:, None]), shape=(ROWS, WIDTH))})
   runs = {}

@@ -485,6 +485,95 @@ __attribute__((target("avx,f16c"))) inline void SumEntriesF16C(
 }
 #endif
 
+#if defined(__x86_64__) && defined(__GNUC__)
+// `SumEntries` of bfloat16 values (their bits) with AVX2, 32 values (then 8) a block in
+// four (one) registers, so that four chains of dependent adds are in flight: each add in
+// float32, rounded to bfloat16 by `Bf16Bits<false>`'s integer ops lane by lane (to
+// nearest, ties to even; NaN to the quiet NaN of its sign) and kept widened (its low 16
+// bits zero). The first entry's sum `0 + v` is exact (v is bfloat16): only its NaNs are
+// replaced. GCC left the portable loop's rounding scalar.
+__attribute__((target("avx2"))) inline __m256 LoadBf16(const uint16_t* v) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(v));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+// `x` where it is not NaN, else the quiet NaN of its sign.
+__attribute__((target("avx2"))) inline __m256 QuietNaNs(__m256 x, __m256 rounded) {
+  const __m256 nan = _mm256_cmp_ps(x, x, _CMP_UNORD_Q);
+  const __m256i sign = _mm256_and_si256(_mm256_castps_si256(x),
+                                        _mm256_set1_epi32(static_cast<int>(0x80000000u)));
+  const __m256i quiet = _mm256_or_si256(sign, _mm256_set1_epi32(0x7FC00000));
+  return _mm256_blendv_ps(rounded, _mm256_castsi256_ps(quiet), nan);
+}
+__attribute__((target("avx2"))) inline __m256 RoundedToBf16(__m256 x) {
+  const __m256i word = _mm256_castps_si256(x);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(word, 16), _mm256_set1_epi32(1));
+  const __m256i add = _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF));
+  const __m256i rounded = _mm256_and_si256(_mm256_add_epi32(word, add),
+                                           _mm256_set1_epi32(static_cast<int>(0xFFFF0000u)));
+  return QuietNaNs(x, _mm256_castsi256_ps(rounded));
+}
+constexpr int64_t kPrefetchEntries = 16;
+template <int kVectors>
+__attribute__((target("avx2"))) inline void SumBf16Block(float* __restrict__ g,
+                                                         const uint16_t* __restrict__ values,
+                                                         const uint32_t* __restrict__ position,
+                                                         int64_t begin, int64_t end,
+                                                         int64_t row_size) {
+  __m256 a[kVectors];
+  for (int k = 0; k < kVectors; ++k) a[k] = _mm256_setzero_ps();
+  if (begin < end) {
+    const uint16_t* v = values + static_cast<int64_t>(position[begin]) * row_size;
+    for (int k = 0; k < kVectors; ++k) {
+      const __m256 sum = _mm256_add_ps(a[k], LoadBf16(v + 8 * k));  // -0.0 + 0.0 is +0.0
+      a[k] = QuietNaNs(sum, sum);
+    }
+  }
+  for (int64_t e = begin + 1; e < end; ++e) {
+    // A popular row's entries, read at random places of the gradient: each block's line
+    // (64 bytes) prefetched a few entries ahead, as the rounding's long chain of integer
+    // ops leaves the core too few loads in flight to hide their latency.
+    if (e + kPrefetchEntries < end) {
+      PrefetchLine(values + static_cast<int64_t>(position[e + kPrefetchEntries]) * row_size);
+    }
+    const uint16_t* v = values + static_cast<int64_t>(position[e]) * row_size;
+    for (int k = 0; k < kVectors; ++k) {
+      a[k] = RoundedToBf16(_mm256_add_ps(a[k], LoadBf16(v + 8 * k)));
+    }
+  }
+  for (int k = 0; k < kVectors; ++k) _mm256_storeu_ps(g + 8 * k, a[k]);
+}
+__attribute__((target("avx2"))) inline void SumEntriesBf16Avx2(
+    float* __restrict__ g, const uint16_t* __restrict__ values,
+    const uint32_t* __restrict__ position, int64_t begin, int64_t end, int64_t row_size,
+    int64_t j) {
+  for (; j + 32 <= row_size; j += 32) {
+    SumBf16Block<4>(g + j, values + j, position, begin, end, row_size);
+  }
+  for (; j + 8 <= row_size; j += 8) {
+    SumBf16Block<1>(g + j, values + j, position, begin, end, row_size);
+  }
+}
+inline bool HasAvx2() {
+  static const bool has = __builtin_cpu_supports("avx2");
+  return has;
+}
+#endif
+
+// `SumEntries` of bfloat16 values (their bits): AVX2 where the CPU has it (the same
+// bits), the portable blocks for the rest of the row.
+inline void SumEntries(float* __restrict__ g, const uint16_t* __restrict__ values,
+                       const uint32_t* __restrict__ position, int64_t begin, int64_t end,
+                       int64_t row_size) {
+  int64_t j = 0;
+#if defined(__x86_64__) && defined(__GNUC__)
+  if (HasAvx2()) {
+    SumEntriesBf16Avx2(g, values, position, begin, end, row_size, 0);
+    j = row_size - row_size % 8;
+  }
+#endif
+  for (; j < row_size; ++j) SumEntriesBlock<1>(g + j, values + j, position, begin, end, row_size);
+}
+
 // `SumEntries` of float16 values: F16C's conversions where the CPU has them (XLA:CPU
 // converts with them; the portable ones are the same bits, several times slower), the
 // portable ones for the rest of the row.

@@ -30,6 +30,7 @@
 #include <vector>
 
 #include "ffi_common.h"
+#include "row_round.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -285,6 +286,94 @@ ffi::Error FusedAdamImpl(ffi::Buffer<ffi::S32> rows, ffi::AnyBuffer values,
         AdamRow<typename R::Mu, typename R::Nu, R::kStochastic>(
             r.g, r.m, r.v, r.size, maximize, c[0], c[1], c[2], neg_step_size, r.key);
       });
+}
+
+// A row of float32 values to bfloat16 (their bits), to nearest as XLA converts.
+OSA_MULTIVERSIONED inline void NarrowBf16Row(uint16_t* __restrict__ out,
+                                             const float* __restrict__ in, int64_t n) {
+  for (int64_t j = 0; j < n; ++j) out[j] = Bf16Bits<false>(in[j], 0u);
+}
+
+// The plain Adam step with a 16-bit output of its rows, in one pass: each distinct
+// row's delta as `FusedAdamImpl` computes it, then, while the row is at hand,
+// - `narrow_delta` false: the row's new value on a bfloat16 or float16 table rounded
+//   stochastically (`param_rounding`), `round(table[row] + delta)` (`AddRoundRow`, the
+//   bits of `row_round.add_rounded_rows` and `xla.rounded_param_rows`), the table's
+//   row prefetched with the moments';
+// - `narrow_delta` true: the delta in the 16-bit gradient's dtype, to nearest (the
+//   bits of XLA's convert, which `xla.masked_step` applies to it); the table unused.
+// Buffers as the Adam step's, then table (bf16 or f16, read; empty if narrow_delta)
+// and param_keys u32 (2,) (the parameter's key of this step, `rounding.kernel_keys`
+// at `PARAM_SLOT`, and the table's first global row); outputs as the Adam step's,
+// then new_rows (nse, row_size) in bf16 or f16, zeros at padding.
+ffi::Error FusedAdamRoundedImpl(ffi::Buffer<ffi::S32> rows, ffi::AnyBuffer values,
+                                ffi::AnyBuffer mu, ffi::AnyBuffer nu, ffi::Buffer<ffi::F32> coeffs,
+                                ffi::Buffer<ffi::U32> keys, ffi::AnyBuffer table,
+                                ffi::Buffer<ffi::U32> param_keys, int64_t num_rows, bool maximize,
+                                bool stochastic, bool narrow_delta, ffi::ThreadPool pool,
+                                ffi::ResultBuffer<ffi::S32> distinct_rows,
+                                ffi::ResultBuffer<ffi::F32> delta,
+                                ffi::Result<ffi::AnyBuffer> mu_out,
+                                ffi::Result<ffi::AnyBuffer> nu_out,
+                                ffi::Result<ffi::AnyBuffer> new_rows) {
+  const ffi::DataType type = new_rows->element_type();
+  if (type != ffi::DataType::BF16 && type != ffi::DataType::F16) {
+    return ffi::Error::InvalidArgument("new_rows must be bfloat16 or float16");
+  }
+  const int64_t nse = static_cast<int64_t>(rows.element_count());
+  const int64_t row_size = RowSize(mu.element_count(), num_rows);
+  if (row_size <= 0 || static_cast<int64_t>(new_rows->element_count()) != nse * row_size ||
+      param_keys.element_count() != 2) {
+    return ffi::Error::InvalidArgument("new_rows must hold nse rows of mu's; param_keys (2,)");
+  }
+  if (!narrow_delta && (table.element_type() != type ||
+                        RowSize(table.element_count(), num_rows) != row_size)) {
+    return ffi::Error::InvalidArgument("table must hold num_rows rows of mu's, in new_rows' dtype");
+  }
+  MomentStep step{rows,       values, mu,   nu,            coeffs, keys,   num_rows,
+                  stochastic, pool,   distinct_rows, delta, mu_out, nu_out};
+  const float* c = coeffs.typed_data();
+  const float neg_step_size = -c[3];
+  const float* delta_base = delta->typed_data();
+  const auto* t = static_cast<const uint16_t*>(table.untyped_data());
+  auto* out = static_cast<uint16_t*>(new_rows->untyped_data());
+  const uint32_t param_key = param_keys.typed_data()[0];
+  const uint32_t row_offset = param_keys.typed_data()[1];
+  const auto run = [&](auto f16_tag, auto narrow_tag) {
+    constexpr bool kF16 = decltype(f16_tag)::value;
+    constexpr bool kNarrow = decltype(narrow_tag)::value;
+    return RunMomentStep<4, false>(
+        step,
+        [&](auto r) {
+          using R = decltype(r);
+          AdamRow<typename R::Mu, typename R::Nu, R::kStochastic>(
+              r.g, r.m, r.v, r.size, maximize, c[0], c[1], c[2], neg_step_size, r.key);
+          const int64_t s = (r.g - delta_base) / r.size;  // the row's place in the output
+          if constexpr (kNarrow && kF16) {
+            NarrowF16Row(out + s * r.size, r.g, r.size);
+          } else if constexpr (kNarrow) {
+            NarrowBf16Row(out + s * r.size, r.g, r.size);
+          } else {
+            AddRoundRow<kF16, true>(
+                out + s * r.size, t + r.row * r.size, r.g, r.size,
+                RowKey(param_key, static_cast<uint32_t>(r.row) + row_offset));
+          }
+        },
+        [&](int64_t row) {
+          if constexpr (!kNarrow) PrefetchRow(t + row * row_size, row_size);
+        });
+  };
+  using T = std::true_type;
+  using F = std::false_type;
+  const bool f16 = type == ffi::DataType::F16;
+  const ffi::Error error = narrow_delta ? (f16 ? run(T{}, T{}) : run(F{}, T{}))
+                                        : (f16 ? run(T{}, F{}) : run(F{}, F{}));
+  if (error.failure()) return error;
+  const int32_t* d = distinct_rows->typed_data();
+  for (int64_t s = 0; s < nse; ++s) {  // padding (out of range): zeros
+    if (d[s] < 0 || d[s] >= num_rows) std::memset(out + s * row_size, 0, 2 * row_size);
+  }
+  return ffi::Error::Success();
 }
 
 // Catch-up of idle rows (`_core/catch_up.py`) in float32, operation for
@@ -789,6 +878,13 @@ auto OptionStepOutputs(Binding&& binding) {
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(OsaFusedAdamF32, FusedAdamImpl,
                               MomentStepOutputs(RowStepAttrs(MomentStepInputs())));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    OsaFusedAdamRoundedF32, FusedAdamRoundedImpl,
+    MomentStepOutputs(
+        RowStepAttrs(MomentStepInputs().Arg<ffi::AnyBuffer>().Arg<ffi::Buffer<ffi::U32>>())
+            .Attr<bool>("narrow_delta"))
+        .Ret<ffi::AnyBuffer>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     OsaFusedRowwiseAdamF32, FusedRowwiseAdamImpl,

@@ -104,6 +104,11 @@ def available() -> bool:
       platform="cpu",
     )
     jax.ffi.register_ffi_target(
+      moment_steps.FUSED_ADAM_ROUNDED,
+      jax.ffi.pycapsule(library.OsaFusedAdamRoundedF32),
+      platform="cpu",
+    )
+    jax.ffi.register_ffi_target(
       moment_steps.FUSED_ROWWISE_ADAM,
       jax.ffi.pycapsule(library.OsaFusedRowwiseAdamF32),
       platform="cpu",
@@ -208,7 +213,10 @@ def masked_step(inputs: StepInputs, plan: StepPlan) -> RowsStep:
 
 
 def in_values_dtype(inputs: StepInputs, plan: StepPlan) -> RowsStep:
-  """`masked_step`, its delta cast to the gradient's dtype as `xla.masked_step` casts it."""
+  """`masked_step`, its delta cast to the gradient's dtype as `xla.masked_step` casts it
+  (by the plain Adam kernel in its pass, for a 16-bit gradient: `adam_narrow_step`)."""
+  if moment_steps.narrows_in_pass(inputs, plan):
+    return moment_steps.adam_narrow_step(inputs, plan)
   result = masked_step(inputs, plan)
   return result._replace(delta=result.delta.astype(inputs.values.dtype))
 

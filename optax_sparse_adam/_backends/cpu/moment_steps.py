@@ -33,6 +33,9 @@ from optax_sparse_adam._core.rules import RowsStep, StepInputs, StepPlan, Tables
 FUSED_ADAM = "optax_sparse_adam_fused_adam_f32"
 FUSED_ADAM_OPTIONS = "optax_sparse_adam_fused_adam_options_f32"
 FUSED_ROWWISE_ADAM = "optax_sparse_adam_fused_rowwise_adam_f32"
+# The plain Adam step with 16-bit rows out: a 16-bit table's rows rounded stochastically in
+# its pass, or a 16-bit gradient's delta converted to its dtype there.
+FUSED_ADAM_ROUNDED = "optax_sparse_adam_fused_adam_rounded_f32"
 ENTRY_STEPS = "optax_sparse_adam_entry_steps_s32"
 # Under jax.vmap a kernel runs once per batch element (a loop around the call).
 VMAP_METHOD = "sequential"
@@ -57,6 +60,95 @@ def adam_step(inputs: StepInputs, plan: StepPlan) -> RowsStep:
   step_size = plan.rule.step_size(inputs.hyper, inputs.step)
   rows, delta, mu, nu = _fused_call(FUSED_ADAM, inputs, plan, [step_size], None)
   return RowsStep(rows, delta, Tables({"mu": mu, "nu": nu}))
+
+
+_SIXTEEN_BITS = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+def rounds_in_pass(inputs: StepInputs, plan: StepPlan) -> bool:
+  """Whether `adam_rounded_step` computes this step: the plain Adam step (`plain`) of a
+  bfloat16 or float16 table of the moments' rows, rounded stochastically, with a step
+  count (its key), where the fused kernel applies (`kernels.step_applies`)."""
+  param = inputs.tables.param
+  return (
+    isinstance(plan.rule, AdamRule)
+    and plain(inputs, plan)
+    and plan.config.param_rounding == "stochastic"
+    and inputs.step is not None
+    and param is not None
+    and jnp.dtype(param.dtype) in _SIXTEEN_BITS
+    and param.size == inputs.tables.slots["mu"].size
+  )
+
+
+def narrows_in_pass(inputs: StepInputs, plan: StepPlan) -> bool:
+  """Whether `adam_narrow_step` computes this step: the plain Adam step of a bfloat16 or
+  float16 gradient (its delta in the gradient's dtype), not rounded stochastically, where
+  the fused kernel applies (`kernels.step_applies`)."""
+  return (
+    isinstance(plan.rule, AdamRule)
+    and plain(inputs, plan)
+    and plan.config.param_rounding != "stochastic"
+    and jnp.dtype(inputs.values.dtype) in _SIXTEEN_BITS
+  )
+
+
+def adam_rounded_step(inputs: StepInputs, plan: StepPlan) -> RowsStep:
+  """The plain Adam step of a 16-bit table rounded stochastically, in one kernel pass.
+
+  Where `rounds_in_pass`: the Adam kernel's step, each distinct row's new value
+  `round(table[row] + delta)` computed in the same pass (`FusedAdamRoundedImpl`) with
+  the parameter's bits (`rounding.kernel_keys` at `PARAM_SLOT`), which are those of
+  `xla.rounded_param_rows` and of `row_round.add_rounded_rows` (one definition,
+  `row_round.h`). Returns the new rows (the table's dtype, zeros at padding) in place
+  of the delta, for the apply to store.
+  """
+  assert rounds_in_pass(inputs, plan)
+  param = inputs.tables.param
+  assert param is not None
+  keys = rounding.kernel_keys(inputs.step, rounding.PARAM_SLOT, inputs.row_offset)
+  return _adam_16_bit_step(inputs, plan, param, keys, param.dtype, narrow_delta=False)
+
+
+def adam_narrow_step(inputs: StepInputs, plan: StepPlan) -> RowsStep:
+  """The plain Adam step of a 16-bit gradient, its delta converted in the kernel's pass.
+
+  Where `narrows_in_pass`: `kernels.in_values_dtype`'s result (the delta in the
+  gradient's dtype, to nearest: the bits of XLA's convert) with no convert after the
+  kernel (`FusedAdamRoundedImpl` with `narrow_delta`).
+  """
+  assert narrows_in_pass(inputs, plan)
+  dtype = inputs.values.dtype
+  keys = jnp.zeros((2,), jnp.uint32)  # unused: nothing rounds stochastically
+  return _adam_16_bit_step(inputs, plan, jnp.zeros((0,), dtype), keys, dtype, narrow_delta=True)
+
+
+def _adam_16_bit_step(
+  inputs: StepInputs,
+  plan: StepPlan,
+  table: jax.Array,
+  keys: jax.Array,
+  dtype: Any,
+  *,
+  narrow_delta: bool,
+) -> RowsStep:
+  """The plain Adam kernel with 16-bit rows out (`FusedAdamRoundedImpl`) in place of the
+  delta: the new rows of `table` rounded stochastically, or the delta to nearest."""
+  assert isinstance(plan.rule, AdamRule)
+  step_size = plan.rule.step_size(inputs.hyper, inputs.step)
+  nse = inputs.rows.shape[0]
+  rows, _, mu, nu, out = _fused_call(
+    FUSED_ADAM_ROUNDED,
+    inputs,
+    plan,
+    [step_size],
+    None,
+    read=(table, keys.astype(jnp.uint32)),
+    more_outputs=(jax.ShapeDtypeStruct(inputs.values.shape, dtype),),
+    narrow_delta=narrow_delta,
+  )
+  assert out.shape[0] == nse
+  return RowsStep(rows, out, Tables({"mu": mu, "nu": nu}))
 
 
 def _rounding_keys(inputs: StepInputs, plan: StepPlan) -> jax.Array:
@@ -271,6 +363,7 @@ def _fused_call(
   *,
   updated: Sequence[jax.Array] = (),
   read: Sequence[jax.Array] = (),
+  more_outputs: Sequence[jax.ShapeDtypeStruct] = (),
   **attributes: Any,
 ) -> tuple[jax.Array, ...]:
   """One fused step of a rule whose state is `mu` and `nu`: one FFI call.
@@ -283,7 +376,7 @@ def _fused_call(
   updates in place). Returns the distinct rows then padding, their deltas, the
   new `mu` and `nu` (float32 or bfloat16), then the new `nu_max`
   (with options) and the new `updated` arrays, each aliased to its operand (in
-  place when donated).
+  place when donated), then the kernel's `more_outputs`.
   """
   f32, hyper = jnp.float32, inputs.hyper
   mu, nu = inputs.tables.slots["mu"], inputs.tables.slots["nu"]
@@ -306,6 +399,7 @@ def _fused_call(
     jax.ShapeDtypeStruct(inputs.rows.shape, jnp.int32),
     jax.ShapeDtypeStruct(inputs.values.shape, f32),
     *(jax.ShapeDtypeStruct(x.shape, x.dtype) for _, x in written),
+    *more_outputs,
   )
   call = jax.ffi.ffi_call(
     target,
