@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from optax_sparse_adam._backends import accelerator, choice, one_device, table_batched, xla
-from optax_sparse_adam._backends.cpu import kernels, moment_steps, row_program, row_round
+from optax_sparse_adam._backends.cpu import kernels, row_program, row_round
 from optax_sparse_adam._backends.protocol import StepBackend
 from optax_sparse_adam._core import bcoo, coalesce, rounding
 from optax_sparse_adam._core.bcoo import RowLayout
@@ -142,10 +142,11 @@ def _kernel_then_rounded(inputs: StepInputs, plan: StepPlan) -> RowsStep:
 
   The kernel computes the delta `xla.masked_step` computes (bit for bit), which
   `xla.rounded_param_rows` turns into the same rounded rows as the XLA path; on
-  a bfloat16 or float16 table those bits are computed by the plain Adam kernel in
-  its own pass (`moment_steps.adam_rounded_step`: the row rounded while it is at
-  hand), else by the generic kernel `row_round.add_rounded_rows` after the step,
-  reading the table's rows in their 2 bytes a value.
+  a bfloat16 or float16 table those bits are computed by the rule's kernel in
+  its own pass where it can (`kernels.rounded_step`: plain Adam, SGD with momentum,
+  Adagrad and row-wise Adagrad without weight decay or `max_norm`; the row rounded
+  while it is at hand), else by the generic kernel `row_round.add_rounded_rows` after
+  the step, reading the table's rows in their 2 bytes a value.
   """
   param = inputs.tables.param
   assert param is not None  # the optax layer keeps it for the rounding
@@ -153,8 +154,8 @@ def _kernel_then_rounded(inputs: StepInputs, plan: StepPlan) -> RowsStep:
   rounds_rows = jnp.dtype(compute_dtype) == jnp.dtype(jnp.float32) and row_round.rounds_rows(
     param, nse=inputs.rows.shape[0], num_rows=plan.layout.num_rows
   )
-  if rounds_rows and moment_steps.rounds_in_pass(inputs, plan):
-    return moment_steps.adam_rounded_step(inputs, plan)
+  if rounds_rows and kernels.rounds_in_pass(inputs, plan):
+    return kernels.rounded_step(inputs, plan)
   nearest = plan._replace(config=plan.config._replace(param_rounding="nearest"))
   result = kernels.masked_step(inputs, nearest)
   param_rows = bcoo.as_rows(param, plan.layout)

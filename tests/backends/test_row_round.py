@@ -313,3 +313,210 @@ def test_a_float16_gradient_on_a_float16_table_runs_the_kernels_in_xla_bits(
   for ours, theirs in zip(jax.tree.leaves(runs[True]), jax.tree.leaves(runs[False]), strict=True):
     np.testing.assert_array_equal(_bits(ours), _bits(theirs))
   assert not np.array_equal(np.asarray(runs[True][0]["t"], np.float32), table0)
+
+
+RULE_OPTS = {
+  "sgd_momentum": lambda: osa.sparse_sgd(
+    0.1, momentum=0.9, lazy_momentum=True, param_rounding="stochastic"
+  ),
+  "sgd_nesterov_maximize": lambda: osa.sparse_sgd(
+    0.1,
+    momentum=0.9,
+    nesterov=True,
+    lazy_momentum=True,
+    maximize=True,
+    param_rounding="stochastic",
+  ),
+  "adagrad": lambda: osa.sparse_adagrad(0.1, lr_decay=0.01, param_rounding="stochastic"),
+  "rowwise_adagrad": lambda: osa.sparse_rowwise_adagrad(0.1, param_rounding="stochastic"),
+}
+
+
+def _special_table() -> np.ndarray:
+  """A table with float16's largest value (a step up saturates), float16 subnormals,
+  inf, NaN and -0.0."""
+  table = np.asarray(np.random.default_rng(0).standard_normal((ROWS, WIDTH)), np.float32)
+  table[5] = 65504.0
+  table[6] = np.float32(3e-6)
+  table[8, :4] = [np.inf, -np.inf, np.nan, -0.0]
+  return table
+
+
+def _rule_grads(grad_dtype, steps: int = 3) -> list:
+  """Gradients with repeated rows, padding, the special rows of `_special_table`, -0.0 and
+  float16 subnormals (small deltas to float16 subnormal rows), in `grad_dtype`."""
+  rng = np.random.default_rng(7)
+  grads = []
+  for _ in range(steps):
+    ids = rng.integers(0, ROWS, 12).astype(np.int32)
+    ids[:3] = ids[3]  # repeated rows
+    ids[4:7] = [5, 6, 8]  # the special rows
+    ids[-1] = -1  # padding
+    vals = rng.standard_normal((12, WIDTH)).astype(np.float32)
+    vals[5] *= 1e-4  # the subnormal row's delta stays small
+    vals[7, :2] = [-0.0, 3e-6]
+    vals = jnp.asarray(vals, grad_dtype)
+    grads.append({"t": sparse.BCOO((vals, jnp.asarray(ids)[:, None]), shape=(ROWS, WIDTH))})
+  return grads
+
+
+# One cell a rule in the default tier (each table dtype and gradient dtype among them);
+# the other combinations are slow.
+_RULE_FAST = {
+  ("sgd_momentum", "bfloat16", "float32"),
+  ("sgd_nesterov_maximize", "float16", "float16"),
+  ("adagrad", "float16", "float32"),
+  ("rowwise_adagrad", "bfloat16", "bfloat16"),
+}
+
+
+def _rule_state(opt, params):
+  """`opt.init(params)`, a float16 table's slot in float32: the factories keep it in the
+  table's dtype, which no fused kernel stores (they store float32 or bfloat16 slots)."""
+  state = opt.init(params)
+  return jax.tree.map(
+    lambda x: x.astype(jnp.float32) if x.dtype == jnp.dtype(jnp.float16) else x, state
+  )
+
+
+@pytest.mark.parametrize(
+  "name, dtype, grad_dtype",
+  [
+    pytest.param(
+      name,
+      dtype,
+      grad,
+      id=f"{name}-{dtype}-{grad}",
+      marks=[] if (name, dtype, grad) in _RULE_FAST else [pytest.mark.slow],
+    )
+    for name in sorted(RULE_OPTS)
+    for dtype in ("bfloat16", "float16")
+    for grad in ("float32", dtype)
+  ],
+)
+def test_rule_kernels_round_16_bit_rows_in_their_pass_in_xla_bits(name, dtype, grad_dtype):
+  """The rule kernels (SGD with momentum, Nesterov, Adagrad, row-wise Adagrad) round a
+  bf16/f16 table's rows stochastically in their own pass (`RoundedRows`): three jitted,
+  donated steps with repeated and padding rows, inf, NaN, -0.0, float16 subnormals and
+  float16's largest value equal the XLA ops' bits, and the compiled step calls the rule
+  kernel and the row store, with no `add_rounded_rows` and no table copy."""
+  opt = RULE_OPTS[name]()
+  table0 = _special_table()
+  grads = _rule_grads(grad_dtype)
+  runs = {}
+  for on in (True, False):
+    params = {"t": jnp.asarray(table0, dtype)}
+    state = _rule_state(opt, params)
+    step = jax.jit(train_step(opt), donate_argnums=(0, 1))
+    with kernels.use_cpu_kernels(on):
+      for grad in grads:
+        params, state = step(params, state, grad)
+    runs[on] = (params, state)
+  for ours, theirs in zip(jax.tree.leaves(runs[True]), jax.tree.leaves(runs[False]), strict=True):
+    np.testing.assert_array_equal(_bits(ours), _bits(theirs))
+  table = np.asarray(runs[True][0]["t"], np.float32)
+  assert not np.array_equal(table, table0)
+  if dtype == "float16":  # float16's largest value: never rounded into inf
+    assert np.isfinite(table[5]).all()
+
+  # The compiled step of a V-row table: the rule kernel rounds, the row store stores.
+  params = {"t": jnp.zeros((NUM_ROWS, DIM), dtype)}
+  grad = {"t": _grad((NUM_ROWS, DIM), 1, np.random.default_rng(8), dtype=grad_dtype)}
+  step = jax.jit(train_step(opt), donate_argnums=(0, 1))
+  hlo = step.lower(params, _rule_state(opt, params), grad).compile().as_text()
+  assert "optax_sparse_adam_rule_step_f32" in hlo
+  assert "optax_sparse_adam_store_rows" in hlo
+  assert "optax_sparse_adam_add_rounded_rows" not in hlo
+  assert _table_copies(hlo) == []
+
+
+ADAM_OPTION_OPTS = {
+  "adam_amsgrad_per_row": lambda: osa.sparse_adam(
+    1e-2,
+    amsgrad=True,
+    per_row_bias_correction=True,
+    mu_dtype=jnp.float32,
+    nu_dtype=jnp.float32,
+    param_rounding="stochastic",
+  ),
+  "adam_catch_up_bf16_moments": lambda: osa.sparse_adam(
+    1e-2,
+    catch_up_idle_rows=True,
+    mu_dtype=jnp.bfloat16,
+    moment_rounding="stochastic",
+    param_rounding="stochastic",
+  ),
+  "rowwise_adam_amsgrad_maximize": lambda: osa.sparse_adam(
+    1e-2,
+    rowwise_second_moment=True,
+    amsgrad=True,
+    maximize=True,
+    param_rounding="stochastic",
+  ),
+}
+_OPTION_TARGETS = {
+  "adam_amsgrad_per_row": "optax_sparse_adam_fused_adam_options_f32",
+  "adam_catch_up_bf16_moments": "optax_sparse_adam_fused_adam_options_f32",
+  "rowwise_adam_amsgrad_maximize": "optax_sparse_adam_fused_rowwise_adam_f32",
+}
+# One cell an option kernel in the default tier; the other combinations are slow.
+_OPTION_FAST = {
+  ("adam_amsgrad_per_row", "float16", "float32"),
+  ("adam_catch_up_bf16_moments", "bfloat16", "float32"),
+  ("rowwise_adam_amsgrad_maximize", "bfloat16", "bfloat16"),
+}
+
+
+@pytest.mark.parametrize(
+  "name, dtype, grad_dtype",
+  [
+    pytest.param(
+      name,
+      dtype,
+      grad,
+      id=f"{name}-{dtype}-{grad}",
+      marks=[] if (name, dtype, grad) in _OPTION_FAST else [pytest.mark.slow],
+    )
+    for name in sorted(ADAM_OPTION_OPTS)
+    for dtype in ("bfloat16", "float16")
+    for grad in ("float32", dtype)
+  ],
+)
+def test_adam_option_kernels_round_16_bit_rows_in_their_pass(name, dtype, grad_dtype, monkeypatch):
+  """Adam's option kernel (amsgrad, per-row steps, catch-up) and row-wise Adam round a
+  bf16/f16 table's rows stochastically in their own pass (`RoundedRows`, the rule kernels'
+  epilogue): three jitted, donated steps (repeated and padding rows, inf, NaN, -0.0,
+  float16 subnormals and largest value) equal the two-pass path's bits (the kernel's
+  delta, then `add_rounded_rows`) and, but with catch-up (float32 rounding there: the C
+  library's exp), the XLA ops' bits; the compiled step has no `add_rounded_rows`."""
+  opt = ADAM_OPTION_OPTS[name]()
+  table0 = _special_table()
+  grads = _rule_grads(grad_dtype)
+
+  def run(on: bool) -> tuple:
+    params = {"t": jnp.asarray(table0, dtype)}
+    state = opt.init(params)
+    step = jax.jit(train_step(opt), donate_argnums=(0, 1))
+    with kernels.use_cpu_kernels(on):
+      for grad in grads:
+        params, state = step(params, state, grad)
+    return params, state
+
+  def assert_same_bits(a, b):
+    for ours, theirs in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+      np.testing.assert_array_equal(_bits(ours), _bits(theirs))
+
+  one_pass = run(True)
+  if "catch_up" not in name:
+    assert_same_bits(one_pass, run(False))
+  params = {"t": jnp.zeros((NUM_ROWS, DIM), dtype)}
+  grad = {"t": _grad((NUM_ROWS, DIM), 1, np.random.default_rng(8), dtype=grad_dtype)}
+  hlo = _compile(opt, params, grad).as_text()
+  assert _OPTION_TARGETS[name] in hlo
+  assert "optax_sparse_adam_add_rounded_rows" not in hlo
+  assert _table_copies(hlo) == []
+  with monkeypatch.context() as patch:  # the former path: the kernel, then a second pass
+    patch.setattr(kernels, "rounds_in_pass", lambda inputs, plan: False)
+    assert "optax_sparse_adam_add_rounded_rows" in _compile(opt, params, grad).as_text()
+    assert_same_bits(one_pass, run(True))
+  assert not np.array_equal(np.asarray(one_pass[0]["t"], np.float32), table0)

@@ -297,7 +297,7 @@ OSA_MULTIVERSIONED inline void NarrowBf16Row(uint16_t* __restrict__ out,
 // The plain Adam step with a 16-bit output of its rows, in one pass: each distinct
 // row's delta as `FusedAdamImpl` computes it, then, while the row is at hand,
 // - `narrow_delta` false: the row's new value on a bfloat16 or float16 table rounded
-//   stochastically (`param_rounding`), `round(table[row] + delta)` (`AddRoundRow`, the
+//   stochastically (`param_rounding`), `round(table[row] + delta)` (`RoundedRows`, the
 //   bits of `row_round.add_rounded_rows` and `xla.rounded_param_rows`), the table's
 //   row prefetched with the moments';
 // - `narrow_delta` true: the delta in the 16-bit gradient's dtype, to nearest (the
@@ -322,23 +322,24 @@ ffi::Error FusedAdamRoundedImpl(ffi::Buffer<ffi::S32> rows, ffi::AnyBuffer value
   }
   const int64_t nse = static_cast<int64_t>(rows.element_count());
   const int64_t row_size = RowSize(mu.element_count(), num_rows);
-  if (row_size <= 0 || static_cast<int64_t>(new_rows->element_count()) != nse * row_size ||
-      param_keys.element_count() != 2) {
-    return ffi::Error::InvalidArgument("new_rows must hold nse rows of mu's; param_keys (2,)");
+  if (row_size <= 0 || static_cast<int64_t>(new_rows->element_count()) != nse * row_size) {
+    return ffi::Error::InvalidArgument("new_rows must hold nse rows of mu's");
   }
-  if (!narrow_delta && (table.element_type() != type ||
-                        RowSize(table.element_count(), num_rows) != row_size)) {
-    return ffi::Error::InvalidArgument("table must hold num_rows rows of mu's, in new_rows' dtype");
+  RoundedRows rounded;  // the table's rows (not narrow_delta)
+  if (!narrow_delta) {
+    if (table.element_count() == 0) return ffi::Error::InvalidArgument("no table to round");
+    if (auto error = rounded.Prepare(table, param_keys, new_rows, delta->typed_data(), nse,
+                                     num_rows, row_size);
+        error.failure()) {
+      return error;
+    }
   }
   MomentStep step{rows,       values, mu,   nu,            coeffs, keys,   num_rows,
                   stochastic, pool,   distinct_rows, delta, mu_out, nu_out};
   const float* c = coeffs.typed_data();
   const float neg_step_size = -c[3];
   const float* delta_base = delta->typed_data();
-  const auto* t = static_cast<const uint16_t*>(table.untyped_data());
   auto* out = static_cast<uint16_t*>(new_rows->untyped_data());
-  const uint32_t param_key = param_keys.typed_data()[0];
-  const uint32_t row_offset = param_keys.typed_data()[1];
   const auto run = [&](auto f16_tag, auto narrow_tag) {
     constexpr bool kF16 = decltype(f16_tag)::value;
     constexpr bool kNarrow = decltype(narrow_tag)::value;
@@ -348,26 +349,20 @@ ffi::Error FusedAdamRoundedImpl(ffi::Buffer<ffi::S32> rows, ffi::AnyBuffer value
           using R = decltype(r);
           AdamRow<typename R::Mu, typename R::Nu, R::kStochastic>(
               r.g, r.m, r.v, r.size, maximize, c[0], c[1], c[2], neg_step_size, r.key);
-          const int64_t s = (r.g - delta_base) / r.size;  // the row's place in the output
           if constexpr (kNarrow && kF16) {
-            NarrowF16Row(out + s * r.size, r.g, r.size);
+            NarrowF16Row(out + (r.g - delta_base), r.g, r.size);
           } else if constexpr (kNarrow) {
-            NarrowBf16Row(out + s * r.size, r.g, r.size);
+            NarrowBf16Row(out + (r.g - delta_base), r.g, r.size);
           } else {
-            AddRoundRow<kF16, true>(
-                out + s * r.size, t + r.row * r.size, r.g, r.size,
-                RowKey(param_key, static_cast<uint32_t>(r.row) + row_offset));
+            rounded.Row(r.row, r.g);
           }
         },
-        [&](int64_t row) {
-          if constexpr (!kNarrow) PrefetchRow(t + row * row_size, row_size);
-        });
+        [&](int64_t row) { rounded.Prefetch(row); });
   };
   using T = std::true_type;
   using F = std::false_type;
   const bool f16 = type == ffi::DataType::F16;
-  const ffi::Error error = narrow_delta ? (f16 ? run(T{}, T{}) : run(F{}, T{}))
-                                        : (f16 ? run(T{}, F{}) : run(F{}, F{}));
+  const ffi::Error error = narrow_delta ? (f16 ? run(T{}, T{}) : run(F{}, T{})) : run(F{}, F{});
   if (error.failure()) return error;
   const int32_t* d = distinct_rows->typed_data();
   for (int64_t s = 0; s < nse; ++s) {  // padding (out of range): zeros
@@ -513,6 +508,11 @@ struct OptionInputs {
   bool amsgrad;
   bool per_row;
   int64_t scales_width;
+  // A 16-bit table whose rows the step rounds stochastically in its pass (`RoundedRows`;
+  // empty if none): its buffers, and the output of its new rows.
+  ffi::AnyBuffer table;
+  ffi::Buffer<ffi::U32> param_keys;
+  ffi::Result<ffi::AnyBuffer>& new_rows;
 };
 
 // The option buffers as a step's rows use them: null where unused.
@@ -572,15 +572,28 @@ struct OptionRow {
 // `RunMomentStep` with the options' buffers: checks and prepares them, stores
 // each row's new step count (per-row steps), prefetches the rows they touch
 // (and `prefetch(row)`'s), and runs `update(MomentRow, OptionRow)` on each
-// distinct row.
+// distinct row, then, on a 16-bit table rounded in the pass, the row's new value
+// (`RoundedRows`: one epilogue whatever the options).
 template <int kNumCoeffs, bool kNuPerRow, typename Update, typename Prefetch = NoPrefetch>
 ffi::Error RunOptionStep(MomentStep& step, const OptionInputs& in, Update update,
                          Prefetch prefetch = Prefetch{}) {
   OptionBuffers o;
+  const int64_t nse = static_cast<int64_t>(step.rows.element_count());
   const int64_t row_size = RowSize(step.mu.element_count(), step.num_rows);
   const int64_t nu_row_size = kNuPerRow ? 1 : row_size;
   if (auto error = PrepareOptions(step, in, nu_row_size, o); error.failure()) return error;
-  return RunMomentStep<kNumCoeffs, kNuPerRow>(
+  RoundedRows rounded;
+  if (auto error = rounded.Prepare(in.table, in.param_keys, in.new_rows,
+                                   step.delta->typed_data(), nse, step.num_rows, row_size);
+      error.failure()) {
+    return error;
+  }
+  // Weight decay reads a float32 parameter: a 16-bit table is not read as one.
+  if (rounded.active() && in.decay) {
+    return ffi::Error::InvalidArgument(
+        "a table rounded in the step's pass takes no weight decay");
+  }
+  const ffi::Error error = RunMomentStep<kNumCoeffs, kNuPerRow>(
       step,
       [&](auto r) {
         using NuT = typename decltype(r)::Nu;
@@ -589,11 +602,16 @@ ffi::Error RunOptionStep(MomentStep& step, const OptionInputs& in, Update update
             o.nu_max == nullptr ? nullptr : static_cast<NuT*>(o.nu_max) + r.row * nu_row_size,
             o.entry_scales == nullptr ? nullptr : o.entry_scales + r.entry * in.scales_width};
         update(r, options);
+        rounded.Row(r.row, r.g);
       },
       [&](int64_t row) {
         o.Prefetch(row);
         prefetch(row);
+        rounded.Prefetch(row);
       });
+  if (error.failure()) return error;
+  rounded.ZeroPadding(step.distinct_rows->typed_data(), nse, step.num_rows);
+  return ffi::Error::Success();
 }
 
 // Runs `body(decay, catch_up, amsgrad)` with the three as compile-time values
@@ -621,20 +639,23 @@ void WithOptions(int decay, bool catch_up, bool amsgrad, Body body) {
 // idle rows. Buffers as the Adam step's, then the option buffers
 // (`OptionInputs`; entry_scales (nse,): each entry's row's step size),
 // last_step s32 (num_rows,) (each row's last step, updated in place; empty
-// without catch-up) and step s32 (1,) (this step's count); coeffs f32 (20,) = (1 - b1,
+// without catch-up) and step s32 (1,) (this step's count), then a 16-bit table rounded
+// in the pass and its keys (`RoundedRows`; empty if none); coeffs f32 (20,) = (1 - b1,
 // 1 - b2, eps, step_size, wd (L2) or lr * wd (decoupled), log b1, log b2,
-// log d, lr, the given step size, then `CatchUpBase` of b1 and of r).
+// log d, lr, the given step size, then `CatchUpBase` of b1 and of r). Outputs: the
+// option step's, last_step, then the table's new rows (`RoundedRows`).
 ffi::Error FusedAdamOptionsImpl(
     ffi::Buffer<ffi::S32> rows, ffi::AnyBuffer values, ffi::AnyBuffer mu,
     ffi::AnyBuffer nu, ffi::Buffer<ffi::F32> coeffs, ffi::Buffer<ffi::U32> keys,
     ffi::Buffer<ffi::F32> param, ffi::AnyBuffer nu_max, ffi::Buffer<ffi::F32> entry_scales,
     ffi::Buffer<ffi::S32> last_step,
-    ffi::Buffer<ffi::S32> step_count, int64_t num_rows, bool maximize, bool stochastic,
+    ffi::Buffer<ffi::S32> step_count, ffi::AnyBuffer table, ffi::Buffer<ffi::U32> param_keys,
+    int64_t num_rows, bool maximize, bool stochastic,
     bool decoupled, bool catch_up, bool guard_eps, bool given_step_size, bool l2, bool amsgrad,
     bool per_row, ffi::ThreadPool pool, ffi::ResultBuffer<ffi::S32> distinct_rows,
     ffi::ResultBuffer<ffi::F32> delta, ffi::Result<ffi::AnyBuffer> mu_out,
     ffi::Result<ffi::AnyBuffer> nu_out, ffi::Result<ffi::AnyBuffer> nu_max_out,
-    ffi::ResultBuffer<ffi::S32> last_step_out) {
+    ffi::ResultBuffer<ffi::S32> last_step_out, ffi::Result<ffi::AnyBuffer> new_rows) {
   const int decay = decoupled ? kDecoupled : (l2 ? kL2 : kNoDecay);
   if (catch_up && (l2 || per_row)) {
     return ffi::Error::InvalidArgument("catch-up takes no L2 weight decay or per-row steps");
@@ -657,7 +678,8 @@ ffi::Error FusedAdamOptionsImpl(
   const uint64_t call = catch_up_calls.fetch_add(1) + 1;
   return RunOptionStep<20, false>(
       step,
-      {param, nu_max, entry_scales, nu_max_out, decay != kNoDecay, amsgrad, per_row, 1},
+      {param, nu_max, entry_scales, nu_max_out, decay != kNoDecay, amsgrad, per_row, 1, table,
+       param_keys, new_rows},
       [&](auto r, auto options) {
         using R = decltype(r);
         RowExtras x;
@@ -737,17 +759,19 @@ OSA_MULTIVERSIONED_TEMPLATE void RowwiseAdamRow(
 // The row-wise Adam step: nu holds one value per row ((num_rows,)), coeffs f32
 // (7,) = (1 - b1, 1 - b2, eps, lr / (1 - b1^t), 1 / (1 - b2^t), 1 / row_size,
 // wd (L2) or lr * wd (decoupled)), then the option buffers (`OptionInputs`;
-// entry_scales (nse, 2): each entry's row's lr / (1 - b1^t), 1 / (1 - b2^t)).
+// entry_scales (nse, 2): each entry's row's lr / (1 - b1^t), 1 / (1 - b2^t)), then a
+// 16-bit table rounded in the pass and its keys; outputs the option step's, then the
+// table's new rows (`RoundedRows`; both empty if none).
 ffi::Error FusedRowwiseAdamImpl(
     ffi::Buffer<ffi::S32> rows, ffi::AnyBuffer values, ffi::AnyBuffer mu,
     ffi::AnyBuffer nu, ffi::Buffer<ffi::F32> coeffs, ffi::Buffer<ffi::U32> keys,
     ffi::Buffer<ffi::F32> param, ffi::AnyBuffer nu_max, ffi::Buffer<ffi::F32> entry_scales,
-    int64_t num_rows,
+    ffi::AnyBuffer table, ffi::Buffer<ffi::U32> param_keys, int64_t num_rows,
     bool maximize, bool stochastic,
     int64_t decay, bool amsgrad, bool per_row, ffi::ThreadPool pool,
     ffi::ResultBuffer<ffi::S32> distinct_rows, ffi::ResultBuffer<ffi::F32> delta,
     ffi::Result<ffi::AnyBuffer> mu_out, ffi::Result<ffi::AnyBuffer> nu_out,
-    ffi::Result<ffi::AnyBuffer> nu_max_out) {
+    ffi::Result<ffi::AnyBuffer> nu_max_out, ffi::Result<ffi::AnyBuffer> new_rows) {
   if (decay < kNoDecay || decay > kDecoupled) {
     return ffi::Error::InvalidArgument("decay must be 0 (none), 1 (L2) or 2 (decoupled)");
   }
@@ -756,7 +780,8 @@ ffi::Error FusedRowwiseAdamImpl(
   const float* c = coeffs.typed_data();
   return RunOptionStep<7, true>(
       step,
-      {param, nu_max, entry_scales, nu_max_out, decay != kNoDecay, amsgrad, per_row, 2},
+      {param, nu_max, entry_scales, nu_max_out, decay != kNoDecay, amsgrad, per_row, 2, table,
+       param_keys, new_rows},
       [&](auto r, auto options) {
         using R = decltype(r);
         thread_local std::vector<float> scratch;
@@ -860,6 +885,12 @@ auto OptionStepInputs() {
       .Arg<ffi::Buffer<ffi::F32>>();
 }
 
+// A step's inputs, then a 16-bit table rounded in its pass and its keys (`RoundedRows`).
+template <typename Binding>
+auto RoundedInputs(Binding&& binding) {
+  return std::move(binding).template Arg<ffi::AnyBuffer>().template Arg<ffi::Buffer<ffi::U32>>();
+}
+
 // The outputs of a fused moment step (`MomentStep`'s): the row step's, then m and v.
 template <typename Binding>
 auto MomentStepOutputs(Binding&& binding) {
@@ -889,16 +920,19 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     OsaFusedRowwiseAdamF32, FusedRowwiseAdamImpl,
     OptionStepOutputs(
-        Attrs<bool>(RowStepAttrs(OptionStepInputs()).Attr<int64_t>("decay"), "amsgrad", "per_row")));
+        Attrs<bool>(RowStepAttrs(RoundedInputs(OptionStepInputs())).Attr<int64_t>("decay"),
+                    "amsgrad", "per_row"))
+        .Ret<ffi::AnyBuffer>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     OsaFusedAdamOptionsF32, FusedAdamOptionsImpl,
-    OptionStepOutputs(Attrs<bool>(RowStepAttrs(OptionStepInputs()
-                                                   .Arg<ffi::Buffer<ffi::S32>>()
-                                                   .Arg<ffi::Buffer<ffi::S32>>()),
+    OptionStepOutputs(Attrs<bool>(RowStepAttrs(RoundedInputs(OptionStepInputs()
+                                                                 .Arg<ffi::Buffer<ffi::S32>>()
+                                                                 .Arg<ffi::Buffer<ffi::S32>>())),
                                   "decoupled", "catch_up", "guard_eps", "given_step_size", "l2",
                                   "amsgrad", "per_row"))
-        .Ret<ffi::Buffer<ffi::S32>>());
+        .Ret<ffi::Buffer<ffi::S32>>()
+        .Ret<ffi::AnyBuffer>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(OsaEntryStepsS32, EntryStepsImpl,
                               ffi::Ffi::Bind()

@@ -187,6 +187,10 @@ class KernelVariant(NamedTuple):
   masked_step: Callable[[StepInputs, StepPlan], RowsStep]
   # Renormalises to `max_norm` after the step (else the XLA ops do, where it is set).
   max_norm: bool = False
+  # Where it applies (with `applies`), the step of a bfloat16 or float16 table rounded
+  # stochastically in the kernel's own pass: its new rows in place of the delta.
+  rounds_in_pass: Callable[[StepInputs, StepPlan], bool] | None = None
+  rounded_step: Callable[[StepInputs, StepPlan], RowsStep] | None = None
 
 
 def step_applies(inputs: StepInputs, plan: StepPlan) -> bool:
@@ -210,6 +214,21 @@ def masked_step(inputs: StepInputs, plan: StepPlan) -> RowsStep:
   gradient's dtype where the rows are not rounded (`in_values_dtype`).
   """
   return _VARIANTS[plan.rule.name].masked_step(inputs, plan)
+
+
+def rounds_in_pass(inputs: StepInputs, plan: StepPlan) -> bool:
+  """Whether `rounded_step` computes this step (where `step_applies`): the rule's kernel
+  rounds a 16-bit table's rows stochastically in its own pass."""
+  variant = _VARIANTS[plan.rule.name]
+  return variant.rounds_in_pass is not None and variant.rounds_in_pass(inputs, plan)
+
+
+def rounded_step(inputs: StepInputs, plan: StepPlan) -> RowsStep:
+  """The rule's kernel step with the table's new rows `round(table[row] + delta)`, rounded
+  stochastically in the kernel's pass, in place of the delta (where `rounds_in_pass`)."""
+  variant = _VARIANTS[plan.rule.name]
+  assert variant.rounded_step is not None
+  return variant.rounded_step(inputs, plan)
 
 
 def in_values_dtype(inputs: StepInputs, plan: StepPlan) -> RowsStep:
@@ -331,11 +350,27 @@ def _rule_step_applies(inputs: StepInputs, plan: StepPlan) -> bool:
 
 # The rules with a fused kernel, by `RowRule.name`.
 _VARIANTS: dict[str, KernelVariant] = {
-  "adam": KernelVariant(_adam_applies, moment_steps.adam_step),
-  "rowwise_adam": KernelVariant(_rowwise_adam_applies, moment_steps.rowwise_adam_step),
+  "adam": KernelVariant(
+    _adam_applies,
+    moment_steps.adam_step,
+    rounds_in_pass=moment_steps.rounds_in_pass,
+    rounded_step=moment_steps.adam_rounded_step,
+  ),
+  "rowwise_adam": KernelVariant(
+    _rowwise_adam_applies,
+    moment_steps.rowwise_adam_step,
+    rounds_in_pass=moment_steps.rounds_in_pass,
+    rounded_step=moment_steps.adam_rounded_step,
+  ),
   # SGD with momentum, Adagrad, row-wise Adagrad: one kernel (rule_steps; plain SGD: none).
   **{
-    name: KernelVariant(_rule_step_applies, rule_steps.masked_step, max_norm=True)
+    name: KernelVariant(
+      _rule_step_applies,
+      rule_steps.masked_step,
+      max_norm=True,
+      rounds_in_pass=rule_steps.rounds_in_pass,
+      rounded_step=rule_steps.rounded_step,
+    )
     for name in rule_steps.RULES
   },
 }

@@ -56,27 +56,28 @@ def adam_step(inputs: StepInputs, plan: StepPlan) -> RowsStep:
   """The Adam variant: the plain kernel, or the one with the pipeline's options."""
   assert isinstance(plan.rule, AdamRule)
   if not plain(inputs, plan):
-    return _adam_options_step(inputs, plan)
+    return _adam_options_step(inputs, plan, _no_rounded_table())
   step_size = plan.rule.step_size(inputs.hyper, inputs.step)
   rows, delta, mu, nu = _fused_call(FUSED_ADAM, inputs, plan, [step_size], None)
   return RowsStep(rows, delta, Tables({"mu": mu, "nu": nu}))
 
 
-_SIXTEEN_BITS = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+SIXTEEN_BITS = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
 def rounds_in_pass(inputs: StepInputs, plan: StepPlan) -> bool:
-  """Whether `adam_rounded_step` computes this step: the plain Adam step (`plain`) of a
+  """Whether `adam_rounded_step` computes this step: the Adam or row-wise Adam step of a
   bfloat16 or float16 table of the moments' rows, rounded stochastically, with a step
-  count (its key), where the fused kernel applies (`kernels.step_applies`)."""
+  count (its key), where the fused kernel applies (`kernels.step_applies`); any option
+  but weight decay (the kernels read a float32 parameter only)."""
   param = inputs.tables.param
   return (
-    isinstance(plan.rule, AdamRule)
-    and plain(inputs, plan)
+    isinstance(plan.rule, AdamRule | RowwiseAdamRule)
+    and plan.config.weight_decay == "none"
     and plan.config.param_rounding == "stochastic"
     and inputs.step is not None
     and param is not None
-    and jnp.dtype(param.dtype) in _SIXTEEN_BITS
+    and jnp.dtype(param.dtype) in SIXTEEN_BITS
     and param.size == inputs.tables.slots["mu"].size
   )
 
@@ -89,25 +90,53 @@ def narrows_in_pass(inputs: StepInputs, plan: StepPlan) -> bool:
     isinstance(plan.rule, AdamRule)
     and plain(inputs, plan)
     and plan.config.param_rounding != "stochastic"
-    and jnp.dtype(inputs.values.dtype) in _SIXTEEN_BITS
+    and jnp.dtype(inputs.values.dtype) in SIXTEEN_BITS
   )
 
 
 def adam_rounded_step(inputs: StepInputs, plan: StepPlan) -> RowsStep:
-  """The plain Adam step of a 16-bit table rounded stochastically, in one kernel pass.
+  """The Adam or row-wise Adam step of a 16-bit table rounded stochastically, in one
+  kernel pass.
 
-  Where `rounds_in_pass`: the Adam kernel's step, each distinct row's new value
-  `round(table[row] + delta)` computed in the same pass (`FusedAdamRoundedImpl`) with
-  the parameter's bits (`rounding.kernel_keys` at `PARAM_SLOT`), which are those of
-  `xla.rounded_param_rows` and of `row_round.add_rounded_rows` (one definition,
-  `row_round.h`). Returns the new rows (the table's dtype, zeros at padding) in place
-  of the delta, for the apply to store.
+  Where `rounds_in_pass`: the kernel's step, each distinct row's new value
+  `round(table[row] + delta)` computed in the same pass (`RoundedRows` in row_round.h,
+  one epilogue for the plain kernel, `FusedAdamRoundedImpl`, and the option kernels,
+  whatever their options) with the parameter's bits (`rounding.kernel_keys` at
+  `PARAM_SLOT`), which are those of `xla.rounded_param_rows` and of
+  `row_round.add_rounded_rows` (one definition, `row_round.h`). Returns the new rows
+  (the table's dtype, zeros at padding) in place of the delta, for the apply to store.
   """
   assert rounds_in_pass(inputs, plan)
   param = inputs.tables.param
   assert param is not None
   keys = rounding.kernel_keys(inputs.step, rounding.PARAM_SLOT, inputs.row_offset)
+  table = _RoundedTable(param, keys, jax.ShapeDtypeStruct(inputs.values.shape, param.dtype))
+  if isinstance(plan.rule, RowwiseAdamRule):
+    return _rowwise_adam_step(inputs, plan, table)
+  if not plain(inputs, plan):
+    return _adam_options_step(inputs, plan, table)
   return _adam_16_bit_step(inputs, plan, param, keys, param.dtype, narrow_delta=False)
+
+
+class _RoundedTable(NamedTuple):
+  """A 16-bit table whose rows an option kernel rounds in its pass (`RoundedRows`), its
+  keys (uint32 `(2,)`) and its new rows' type; all empty where the step rounds none."""
+
+  table: jax.Array
+  keys: jax.Array
+  new_rows: jax.ShapeDtypeStruct
+
+  @property
+  def rounds(self) -> bool:
+    return self.table.size > 0
+
+
+def _no_rounded_table() -> _RoundedTable:
+  return _RoundedTable(
+    jnp.zeros((0,), jnp.bfloat16),
+    jnp.zeros((2,), jnp.uint32),
+    jax.ShapeDtypeStruct((0,), jnp.bfloat16),
+  )
 
 
 def adam_narrow_step(inputs: StepInputs, plan: StepPlan) -> RowsStep:
@@ -272,7 +301,7 @@ def _catch_up_coefficients(inputs: StepInputs, plan: StepPlan) -> list[Any]:
 _NUM_CATCH_UP_CONSTANTS = 15
 
 
-def _adam_options_step(inputs: StepInputs, plan: StepPlan) -> RowsStep:
+def _adam_options_step(inputs: StepInputs, plan: StepPlan, rounded: _RoundedTable) -> RowsStep:
   """The Adam step with weight decay, amsgrad, per-row steps or catch-up: one FFI call
   (with per-row steps, after `_entry_step_counts`'s).
 
@@ -280,7 +309,8 @@ def _adam_options_step(inputs: StepInputs, plan: StepPlan) -> RowsStep:
   last steps (catch-up, updated in place) and this step's count. Equal to
   `xla.masked_step` bit for bit, but with catch-up: there to float32 rounding,
   as the per-row powers and sums of catch-up use the C library's exp and expm1,
-  not XLA's (tests/backends/test_cpu_catch_up.py).
+  not XLA's (tests/backends/test_cpu_catch_up.py). With a `rounded` table, its new
+  rows in place of the delta.
   """
   assert isinstance(plan.rule, AdamRule)
   f32, i32 = jnp.float32, jnp.int32
@@ -302,14 +332,15 @@ def _adam_options_step(inputs: StepInputs, plan: StepPlan) -> RowsStep:
   else:
     extra = [0.0] * _NUM_CATCH_UP_CONSTANTS
   coefficients = [step_size, _decay_coefficient(inputs, plan), *extra]
-  rows, delta, mu, nu, nu_max, last_step = _fused_call(
+  rows, delta, mu, nu, nu_max, last_step, new_rows = _fused_call(
     FUSED_ADAM_OPTIONS,
     inputs,
     plan,
     coefficients,
     _option_arrays(inputs, plan, entry_scales),
     updated=(last_step,),
-    read=(step.astype(i32),),
+    read=(step.astype(i32), rounded.table, rounded.keys.astype(jnp.uint32)),
+    more_outputs=(rounded.new_rows,),
     decoupled=config.weight_decay == "decoupled",
     catch_up=catch_up,
     # row_rules.adam.idle_rows divides by sqrt(v) + eps unguarded only for a Python eps > 0.
@@ -319,6 +350,7 @@ def _adam_options_step(inputs: StepInputs, plan: StepPlan) -> RowsStep:
     amsgrad=plan.rule.amsgrad,
     per_row=per_row,
   )
+  delta = new_rows if rounded.rounds else delta
   return RowsStep(rows, delta, _new_tables(inputs, mu, nu, nu_max, new_row_step, last_step))
 
 
@@ -328,6 +360,11 @@ _DECAY_CODES = {"none": 0, "l2": 1, "decoupled": 2}
 def rowwise_adam_step(inputs: StepInputs, plan: StepPlan) -> RowsStep:
   """The row-wise Adam step, with weight decay, amsgrad and per-row steps: one FFI call
   (with per-row steps, after `_entry_step_counts`'s)."""
+  return _rowwise_adam_step(inputs, plan, _no_rounded_table())
+
+
+def _rowwise_adam_step(inputs: StepInputs, plan: StepPlan, rounded: _RoundedTable) -> RowsStep:
+  """`rowwise_adam_step`; with a `rounded` table, its new rows in place of the delta."""
   assert isinstance(plan.rule, RowwiseAdamRule)
   f32 = jnp.float32
   config, hyper = plan.config, inputs.hyper
@@ -341,16 +378,19 @@ def rowwise_adam_step(inputs: StepInputs, plan: StepPlan) -> RowsStep:
     entry_scales = jnp.stack(bias_corrections(hyper, counts, f32), 1)
   inv_row_size = inverse_row_size(math.prod(plan.layout.dense_shape), f32)
   coefficients = [lr_over_bc1, inv_bc2, inv_row_size, _decay_coefficient(inputs, plan)]
-  rows, delta, mu, nu, nu_max = _fused_call(
+  rows, delta, mu, nu, nu_max, new_rows = _fused_call(
     FUSED_ROWWISE_ADAM,
     inputs,
     plan,
     coefficients,
     _option_arrays(inputs, plan, entry_scales),
+    read=(rounded.table, rounded.keys.astype(jnp.uint32)),
+    more_outputs=(rounded.new_rows,),
     decay=_DECAY_CODES[config.weight_decay],
     amsgrad=plan.rule.amsgrad,
     per_row=per_row,
   )
+  delta = new_rows if rounded.rounds else delta
   return RowsStep(rows, delta, _new_tables(inputs, mu, nu, nu_max, new_row_step))
 
 

@@ -9,9 +9,11 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #include "ffi_common.h"
+#include "xla/ffi/api/ffi.h"
 
 namespace {
 
@@ -120,6 +122,89 @@ void AddRoundRow(uint16_t* out, const uint16_t* old, const float* delta, int64_t
     NarrowF16Row(out, a, row_size);
   }
 }
+
+// The epilogue of a fused step that rounds a 16-bit table's rows stochastically in its
+// own pass (`param_rounding="stochastic"`): each distinct row's new value
+// `round(table[row] + delta)` (`AddRoundRow`, the bits of `add_rounded_rows` and
+// `xla.rounded_param_rows`) written while the row's delta is at hand, the table's row
+// prefetched with the step's own. One definition for every kernel that takes it (the
+// Adam kernels, the rule kernels): a kernel calls `Row` after each row's delta,
+// whatever its rule or options. Inputs: table (bf16 or f16; empty: the step rounds no
+// rows) and param_keys u32 (2,) (the parameter's key of this step, `rounding.kernel_keys`
+// at `PARAM_SLOT`, and the table's first global row); output new_rows (nse, row_size) in
+// the table's dtype, zeros at padding (empty when the table is).
+class RoundedRows {
+ public:
+  // Checks the buffers; `delta` is the step's delta output (a row's place in new_rows).
+  ffi::Error Prepare(const ffi::AnyBuffer& table, const ffi::Buffer<ffi::U32>& param_keys,
+                     ffi::Result<ffi::AnyBuffer>& new_rows, const float* delta, int64_t nse,
+                     int64_t num_rows, int64_t row_size) {
+    if (table.element_count() == 0) {
+      if (new_rows->element_count() != 0) {
+        return ffi::Error::InvalidArgument("new_rows must be empty when the table is");
+      }
+      return ffi::Error::Success();
+    }
+    const ffi::DataType type = table.element_type();
+    if (type != ffi::DataType::BF16 && type != ffi::DataType::F16) {
+      return ffi::Error::InvalidArgument("the rounded table must be bfloat16 or float16");
+    }
+    if (new_rows->element_type() != type || row_size <= 0 ||
+        static_cast<int64_t>(table.element_count()) != num_rows * row_size ||
+        static_cast<int64_t>(new_rows->element_count()) != nse * row_size ||
+        param_keys.element_count() != 2) {
+      return ffi::Error::InvalidArgument(
+          "the rounded table must hold num_rows rows of the step's size, new_rows nse rows "
+          "in its dtype, param_keys (2,)");
+    }
+    table_ = static_cast<const uint16_t*>(table.untyped_data());
+    out_ = static_cast<uint16_t*>(new_rows->untyped_data());
+    delta_ = delta;
+    row_size_ = row_size;
+    key_ = param_keys.typed_data()[0];
+    row_offset_ = param_keys.typed_data()[1];
+    f16_ = type == ffi::DataType::F16;
+    return ffi::Error::Success();
+  }
+
+  bool active() const { return table_ != nullptr; }
+
+  void Prefetch(int64_t row) const {
+    if (table_ != nullptr) PrefetchRow(table_ + row * row_size_, row_size_);
+  }
+
+  // The new value of `row`, whose delta is `g` (a row of the step's delta output).
+  void Row(int64_t row, const float* g) const {
+    if (table_ == nullptr) return;
+    uint16_t* out = out_ + (g - delta_);  // the row's place in the output
+    const uint16_t* old = table_ + row * row_size_;
+    const uint32_t key = RowKey(key_, static_cast<uint32_t>(row) + row_offset_);
+    if (f16_) {
+      AddRoundRow<true, true>(out, old, g, row_size_, key);
+    } else {
+      AddRoundRow<false, true>(out, old, g, row_size_, key);
+    }
+  }
+
+  // Zeros the padding's rows (out of range in `distinct_rows`), after the step.
+  void ZeroPadding(const int32_t* distinct_rows, int64_t nse, int64_t num_rows) const {
+    if (table_ == nullptr) return;
+    for (int64_t s = 0; s < nse; ++s) {
+      if (distinct_rows[s] < 0 || distinct_rows[s] >= num_rows) {
+        std::memset(out_ + s * row_size_, 0, sizeof(uint16_t) * row_size_);
+      }
+    }
+  }
+
+ private:
+  const uint16_t* table_ = nullptr;
+  uint16_t* out_ = nullptr;
+  const float* delta_ = nullptr;
+  int64_t row_size_ = 0;
+  uint32_t key_ = 0;
+  uint32_t row_offset_ = 0;
+  bool f16_ = false;
+};
 
 }  // namespace
 

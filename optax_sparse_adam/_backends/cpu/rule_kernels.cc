@@ -8,7 +8,8 @@
 //
 // One pass over the distinct rows, as the Adam kernels (`ffi_common.h`): the
 // gradient's rows coalesced, each row's slot read once and updated in place,
-// its delta written. The arithmetic is the rule's `update` and
+// its delta written (and on a bfloat16 or float16 table rounded stochastically, the
+// row's new value, `RoundedRows` in row_round.h, as the Adam kernels). The arithmetic is the rule's `update` and
 // `xla.masked_step`'s around it, operation for operation: every product
 // rounded on its own (compiled with -ffp-contract=off, so no FMA, as the XLA
 // path rounds its products with `adam.rounded`), square root and division
@@ -21,6 +22,7 @@
 #include <vector>
 
 #include "ffi_common.h"
+#include "row_round.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace {
@@ -142,21 +144,26 @@ ffi::Error WithRuleTypes(int64_t rule, ffi::DataType slot_type, bool stochastic,
 }
 
 // The step of a rule with one slot. Inputs: rows s32 (nse,), values
-// f32 (nse, ...), slot (f32 or bf16: the parameter's shape, (num_rows,) for
+// f32, bf16 or f16 (nse, ...), slot (f32 or bf16: the parameter's shape, (num_rows,) for
 // row-wise Adagrad), coeffs f32 (5,) (`RuleCoeffs`), keys
 // u32 (2,) (the slot's stochastic-rounding key of this step and the tables'
 // first global row, read when `stochastic`), param f32 (its own shape; empty
-// without weight decay and max_norm). Attributes: num_rows, maximize,
+// without weight decay and max_norm), then table and param_keys (`RoundedRows`: a
+// bfloat16 or float16 table whose rows the step rounds stochastically in its pass; empty
+// if none). Attributes: num_rows, maximize,
 // stochastic, rule (`RuleKind`), decay (0 none, 1 L2, 2 decoupled),
 // max_norm. Outputs: the distinct rows then padding, their deltas, the slot
-// (aliased to its input, so updated in place when donated).
+// (aliased to its input, so updated in place when donated), the new rows of the table
+// (`RoundedRows`; empty if none).
 ffi::Error RuleStepImpl(ffi::Buffer<ffi::S32> rows, ffi::AnyBuffer values,
                         ffi::AnyBuffer slot, ffi::Buffer<ffi::F32> coeffs,
                         ffi::Buffer<ffi::U32> keys, ffi::Buffer<ffi::F32> param,
+                        ffi::AnyBuffer table, ffi::Buffer<ffi::U32> param_keys,
                         int64_t num_rows, bool maximize, bool stochastic, int64_t rule,
                         int64_t decay, bool max_norm, ffi::ThreadPool pool,
                         ffi::ResultBuffer<ffi::S32> distinct_rows,
-                        ffi::ResultBuffer<ffi::F32> delta, ffi::Result<ffi::AnyBuffer> slot_out) {
+                        ffi::ResultBuffer<ffi::F32> delta, ffi::Result<ffi::AnyBuffer> slot_out,
+                        ffi::Result<ffi::AnyBuffer> new_rows) {
   if (rule < kSgdMomentum || rule > kRowwiseAdagrad) return ffi::Error::InvalidArgument("unknown rule");
   if (decay < kNoDecay || decay > kDecoupled) {
     return ffi::Error::InvalidArgument("decay must be 0 (none), 1 (L2) or 2 (decoupled)");
@@ -180,6 +187,19 @@ ffi::Error RuleStepImpl(ffi::Buffer<ffi::S32> rows, ffi::AnyBuffer values,
   if (coeffs.element_count() != kNumRuleCoeffs || keys.element_count() != 2) {
     return ffi::Error::InvalidArgument("coeffs must be (5,) and keys (2,)");
   }
+  RoundedRows rounded;
+  if (auto error = rounded.Prepare(table, param_keys, new_rows, delta->typed_data(), nse,
+                                   num_rows, row_size);
+      error.failure()) {
+    return error;
+  }
+  // The float32 `param` is the table's value as the step reads it: a rounded 16-bit table
+  // is not read as one (its rows would have to be widened first), so weight decay and
+  // max_norm on such a table keep the XLA ops (`rule_steps.rounds_in_pass`).
+  if (rounded.active() && reads_param) {
+    return ffi::Error::InvalidArgument(
+        "a table rounded in the step's pass takes no weight decay or max_norm");
+  }
   // Without donation XLA gives a fresh output buffer: start from the input.
   CopyIfNotAliased(slot, slot_out);
   const float* c = coeffs.typed_data();
@@ -187,7 +207,7 @@ ffi::Error RuleStepImpl(ffi::Buffer<ffi::S32> rows, ffi::AnyBuffer values,
   const uint32_t slot_key = keys.typed_data()[0];
   const uint32_t row_offset = keys.typed_data()[1];
   const float* p = reads_param ? param.typed_data() : nullptr;
-  return WithRuleTypes(rule, slot.element_type(), stochastic, decay, max_norm,
+  const ffi::Error error = WithRuleTypes(rule, slot.element_type(), stochastic, decay, max_norm,
                        [&](auto r, auto t, auto st, auto d, auto norm) {
     using T = decltype(t);
     constexpr int kRule = decltype(r)::value;
@@ -200,6 +220,7 @@ ffi::Error RuleStepImpl(ffi::Buffer<ffi::S32> rows, ffi::AnyBuffer values,
           [&](int64_t row) {
             PrefetchRow(s + row * slot_row_size, slot_row_size);
             if (p != nullptr) PrefetchRow(p + row * row_size, row_size);
+            rounded.Prefetch(row);
           },
           [&](int64_t row, int64_t, float* g) {
             thread_local std::vector<float> scratch;
@@ -208,10 +229,14 @@ ffi::Error RuleStepImpl(ffi::Buffer<ffi::S32> rows, ffi::AnyBuffer values,
                 g, s + row * slot_row_size, p == nullptr ? nullptr : p + row * row_size,
                 scratch.data(), row_size, maximize, scalars,
                 kStochastic ? RowKey(slot_key, row + row_offset) : 0u);
+            rounded.Row(row, g);  // every rule's one epilogue
           });
       return ffi::Error::Success();
     });
   });
+  if (error.failure()) return error;
+  rounded.ZeroPadding(distinct_rows->typed_data(), nse, num_rows);
+  return ffi::Error::Success();
 }
 
 }  // namespace
@@ -221,8 +246,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(OsaRuleStepF32, RuleStepImpl,
                                                               .Arg<ffi::AnyBuffer>()
                                                               .Arg<ffi::Buffer<ffi::F32>>()
                                                               .Arg<ffi::Buffer<ffi::U32>>()
-                                                              .Arg<ffi::Buffer<ffi::F32>>())
+                                                              .Arg<ffi::Buffer<ffi::F32>>()
+                                                              .Arg<ffi::AnyBuffer>()
+                                                              .Arg<ffi::Buffer<ffi::U32>>())
                                                  .Attr<int64_t>("rule")
                                                  .Attr<int64_t>("decay")
                                                  .Attr<bool>("max_norm"))
+                                  .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>());

@@ -99,8 +99,42 @@ def _coefficients(inputs: StepInputs, plan: StepPlan) -> list[Any]:
   return [a, b, third, moment_steps._decay_coefficient(inputs, plan), max_norm or 0.0]
 
 
+def rounds_in_pass(inputs: StepInputs, plan: StepPlan) -> bool:
+  """Whether `rounded_step` computes this step: a bfloat16 or float16 table rounded
+  stochastically, with a step count (its key), no weight decay and no `max_norm` (the
+  kernel reads a float32 parameter only), where the kernel applies (`applies` and
+  `kernels.step_applies`)."""
+  param, config = inputs.tables.param, plan.config
+  return (
+    config.param_rounding == "stochastic"
+    and config.weight_decay == "none"
+    and config.max_norm is None
+    and inputs.step is not None
+    and param is not None
+    and jnp.dtype(param.dtype) in moment_steps.SIXTEEN_BITS
+  )
+
+
 def masked_step(inputs: StepInputs, plan: StepPlan) -> RowsStep:
   """`xla.masked_step` of SGD with momentum, Adagrad or row-wise Adagrad: one FFI call."""
+  return _step(inputs, plan, rounded=False)
+
+
+def rounded_step(inputs: StepInputs, plan: StepPlan) -> RowsStep:
+  """The step of a 16-bit table rounded stochastically, in the kernel's one pass.
+
+  Where `rounds_in_pass`: `masked_step`, each distinct row's new value
+  `round(table[row] + delta)` computed in the same pass (`RoundedRows` in row_round.h,
+  the rule kernel's epilogue whatever the rule) with the parameter's bits
+  (`rounding.kernel_keys` at `PARAM_SLOT`): those of `xla.rounded_param_rows` and of
+  `row_round.add_rounded_rows`. Returns the new rows (the table's dtype, zeros at
+  padding) in place of the delta, for the apply to store.
+  """
+  assert rounds_in_pass(inputs, plan)
+  return _step(inputs, plan, rounded=True)
+
+
+def _step(inputs: StepInputs, plan: StepPlan, *, rounded: bool) -> RowsStep:
   f32 = jnp.float32
   config, tables = plan.config, inputs.tables
   names = [slot.name for slot in plan.rule.slots()]
@@ -111,23 +145,34 @@ def masked_step(inputs: StepInputs, plan: StepPlan) -> RowsStep:
   # A one-slot rule's slot is its pair's first: the hash's top half, as the kernel takes.
   pair = rounding.hash_half(names, names[0])[0]
   keys = rounding.kernel_keys(inputs.step, pair, inputs.row_offset)
+  # The table whose rows the kernel rounds (`RoundedRows`), or none (empty buffers).
+  table = tables.param if rounded else None
+  if table is None:
+    table, param_keys = jnp.zeros((0,), jnp.bfloat16), jnp.zeros((2,), jnp.uint32)
+    new_rows = jax.ShapeDtypeStruct((0,), jnp.bfloat16)
+  else:
+    param_keys = rounding.kernel_keys(inputs.step, rounding.PARAM_SLOT, inputs.row_offset)
+    new_rows = jax.ShapeDtypeStruct(inputs.values.shape, table.dtype)
   call = jax.ffi.ffi_call(
     RULE_STEP,
     (
       jax.ShapeDtypeStruct(inputs.rows.shape, jnp.int32),
       jax.ShapeDtypeStruct(inputs.values.shape, f32),
       jax.ShapeDtypeStruct(slot.shape, slot.dtype),
+      new_rows,
     ),
     input_output_aliases={2: 2},
     vmap_method=moment_steps.VMAP_METHOD,
   )
-  rows, delta, new_slot = call(
+  rows, delta, new_slot, out = call(
     inputs.rows,
     inputs.values,
     slot,
     jnp.stack([jnp.asarray(x, f32) for x in _coefficients(inputs, plan)]),
     keys,
     jnp.zeros((0,), f32) if param is None else param,
+    table,
+    param_keys.astype(jnp.uint32),
     num_rows=plan.layout.num_rows,
     rule=_rule_code(plan.rule),
     maximize=config.maximize,
@@ -135,4 +180,4 @@ def masked_step(inputs: StepInputs, plan: StepPlan) -> RowsStep:
     decay=_DECAY_CODES[config.weight_decay],
     max_norm=config.max_norm is not None,
   )
-  return RowsStep(rows, delta, Tables({names[0]: new_slot}))
+  return RowsStep(rows, out if rounded else delta, Tables({names[0]: new_slot}))
