@@ -1,7 +1,9 @@
 """A 16-bit table's step against the float32 table's, on one device and routed, in one run.
 
-One jitted, donated `sparse_adam` step (float32 moments, `update` + `apply_updates`)
-of a V x D table from B ids (Zipf or uniform), for each of:
+One jitted, donated step of a rule (`--rule`: `sparse_adam` by default, float32
+moments; SGD with lazy momentum, Adagrad, row-wise Adagrad, Adam with amsgrad, row-wise
+Adam; every slot in float32, so that only the table's dtype differs) with
+`update` + `apply_updates`, of a V x D table from B ids (Zipf or uniform), for each of:
 
 - the float32 table, float32 gradient (the reference);
 - bfloat16 and float16 tables rounded stochastically (`param_rounding="stochastic"`),
@@ -18,6 +20,7 @@ a subprocess, as `bench_routed_tables` does, unless `--one-device`.
   python -m benchmarks.bench_16bit_step                  # V = 1M, D = 64, B = 4096, Zipf
   python -m benchmarks.bench_16bit_step --dist uniform --one-device
   python -m benchmarks.bench_16bit_step --two-pass      # also the former two-pass rounding
+  python -m benchmarks.bench_16bit_step --rule rowwise_adagrad --two-pass --one-device
 """
 
 import os
@@ -46,7 +49,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import optax_sparse_adam as osa  # noqa: E402
 from benchmarks import _common as c  # noqa: E402
-from optax_sparse_adam._backends.cpu import moment_steps  # noqa: E402
+from optax_sparse_adam._backends.cpu import kernels, moment_steps  # noqa: E402
 
 # (label, table dtype, gradient dtype, param_rounding); the first is the reference.
 CASES = [
@@ -68,6 +71,30 @@ TWO_PASS = [
 ]
 
 
+# `--rule`: the optimizer, given its param_rounding; slots in float32 (`_float32_slots`).
+RULES = {
+  "adam": lambda r: osa.sparse_adam(1e-3, mu_dtype="float32", nu_dtype="float32", param_rounding=r),
+  "adam_amsgrad": lambda r: osa.sparse_adam(
+    1e-3, amsgrad=True, mu_dtype="float32", nu_dtype="float32", param_rounding=r
+  ),
+  "rowwise_adam": lambda r: osa.sparse_adam(
+    1e-3, rowwise_second_moment=True, mu_dtype="float32", nu_dtype="float32", param_rounding=r
+  ),
+  "sgd_momentum": lambda r: osa.sparse_sgd(
+    1e-3, momentum=0.9, lazy_momentum=True, param_rounding=r
+  ),
+  "adagrad": lambda r: osa.sparse_adagrad(1e-2, param_rounding=r),
+  "rowwise_adagrad": lambda r: osa.sparse_rowwise_adagrad(1e-2, param_rounding=r),
+}
+
+
+def _float32_slots(state):
+  """The state with its 16-bit slots in float32: SGD's and Adagrad's slots follow the
+  table's dtype, and the fused kernels store no float16 slot."""
+  sixteen = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+  return jax.tree.map(lambda x: x.astype(jnp.float32) if x.dtype in sixteen else x, state)
+
+
 @contextlib.contextmanager
 def _two_passes(on: bool):
   """Within the block, steps traced round a 16-bit table's rows (or convert a 16-bit
@@ -75,18 +102,18 @@ def _two_passes(on: bool):
   if not on:
     yield
     return
-  saved = moment_steps.rounds_in_pass, moment_steps.narrows_in_pass
-  moment_steps.rounds_in_pass = moment_steps.narrows_in_pass = lambda inputs, plan: False
+  saved = kernels.rounds_in_pass, moment_steps.narrows_in_pass
+  kernels.rounds_in_pass = moment_steps.narrows_in_pass = lambda inputs, plan: False
   try:
     yield
   finally:
-    moment_steps.rounds_in_pass, moment_steps.narrows_in_pass = saved
+    kernels.rounds_in_pass, moment_steps.narrows_in_pass = saved
 
 
-def _stepper(dtype, grad_dtype, rounding, batches, *, num_rows, dim, mesh, two_pass=False):
+def _stepper(rule, dtype, grad_dtype, rounding, batches, *, num_rows, dim, mesh, two_pass=False):
   """`(run(n) -> seconds per step, the kernels the compiled step calls)`; routed over
   `mesh` where given, else on one device."""
-  opt = osa.sparse_adam(1e-3, mu_dtype="float32", nu_dtype="float32", param_rounding=rounding)
+  opt = RULES[rule](rounding)
 
   def step(table, state, ids, rows):
     grad = sparse.BCOO((rows, ids[:, None]), shape=table.shape)
@@ -102,7 +129,7 @@ def _stepper(dtype, grad_dtype, rounding, batches, *, num_rows, dim, mesh, two_p
   with routing(), _two_passes(two_pass):
     jitted = jax.jit(step, donate_argnums=(0, 1))
     table = put(jnp.zeros((num_rows, dim), dtype), P("x", None))
-    state = opt.init({"t": table})
+    state = _float32_slots(opt.init({"t": table}))
     # The gradient's rows come in its dtype (a model's), not converted in the step.
     data = [(put(i, P("x")), put(r.astype(grad_dtype), P("x", None))) for i, r in batches]
     hlo = jitted.lower(table, state, *data[0]).compile().as_text()
@@ -135,9 +162,12 @@ def time_cases(args, *, routed: bool) -> None:
     (np.asarray(i, np.int32), np.asarray(v, np.float32)) for i, v in zip(ids, values, strict=True)
   ]
   runs = {}
-  cases = [(case, False) for case in CASES] + [(case, True) for case in TWO_PASS * args.two_pass]
+  # The other rules convert a 16-bit gradient's delta after their kernel either way.
+  two_pass = [x for x in TWO_PASS if args.rule == "adam" or x[3] == "stochastic"]
+  cases = [(case, False) for case in CASES] + [(case, True) for case in two_pass * args.two_pass]
   for (label, dtype, grad_dtype, rounding), two_pass in cases:
     runs[label], called = _stepper(
+      args.rule,
       dtype,
       grad_dtype,
       rounding,
@@ -154,7 +184,8 @@ def time_cases(args, *, routed: bool) -> None:
       times[label].append(run(args.steps))
   base = times[CASES[0][0]]
   print(
-    f"{c.machine()}; {where}, V={args.vocab:,} D={args.dim} B={args.batch} ({args.dist} ids); "
+    f"{c.machine()}; {args.rule}, {where}, V={args.vocab:,} D={args.dim} B={args.batch} "
+    f"({args.dist} ids); "
     f"median (range) of {args.rounds} interleaved rounds of {args.steps} steps"
   )
   for label, seconds in times.items():
@@ -172,6 +203,7 @@ def main(argv=None) -> None:
   parser.add_argument("--rounds", type=int, default=7, help="interleaved rounds")
   parser.add_argument("--dist", default="zipf", choices=("zipf", "uniform"), help="ids")
   parser.add_argument("--one-device", action="store_true", help="skip the routed run")
+  parser.add_argument("--rule", default="adam", choices=sorted(RULES), help="the optimizer")
   parser.add_argument(
     "--two-pass", action="store_true", help="also the stochastic cases' former two-pass path"
   )

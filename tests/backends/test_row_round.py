@@ -443,6 +443,7 @@ ADAM_OPTION_OPTS = {
     1e-2,
     catch_up_idle_rows=True,
     mu_dtype=jnp.bfloat16,
+    nu_dtype=jnp.bfloat16,
     moment_rounding="stochastic",
     param_rounding="stochastic",
   ),
@@ -451,6 +452,8 @@ ADAM_OPTION_OPTS = {
     rowwise_second_moment=True,
     amsgrad=True,
     maximize=True,
+    mu_dtype=jnp.float32,
+    nu_dtype=jnp.float32,
     param_rounding="stochastic",
   ),
 }
