@@ -199,6 +199,10 @@ def train(
     "arrays": {k: to_logical(v.astype(jnp.float32)) for k, v in arrays.items()},
     "specs": {k: str(getattr(v.sharding, "spec", None)) for k, v in arrays.items()},
     "collectives": collectives(hlo_text := hlo.compile().as_text()),
+    # Collectives moving float32 arrays (a bfloat16 table's values move as their bits).
+    "float32_collectives": sum(
+      "f32[" in m["type"] for line in hlo_text.splitlines() if (m := COLLECTIVE.search(line))
+    ),
     "kernel_calls": hlo_text.count('custom_call_target="optax_sparse_adam_'),
     # The donated step writes the table in place: no copy of a shard of it.
     "largest_copy": largest_copy(hlo_text),

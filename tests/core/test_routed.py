@@ -290,6 +290,16 @@ def test_routed_path_sends_one_all_to_all_of_the_buckets(checks, run):
 
 
 @pytest.mark.parametrize("run", tiered(ROUTED_RUNS))
+def test_a_bfloat16_tables_values_travel_as_their_bits(checks, run):
+  """A bfloat16 table's gradient rows and new rows cross devices as uint16 bits
+  (`routing.as_bits`): XLA:CPU would move them through float32 (a conversion each way
+  around every collective, select and loop carry: the routed bfloat16 step measured
+  1.12-1.27x the float32 table's, float16's 0.83-0.98x); float32 tables keep float32."""
+  bf16 = "/bf16/" in run or "/param_stochastic/" in run
+  assert (checks["runs"][run]["float32_collectives"] == 0) == bf16
+
+
+@pytest.mark.parametrize("run", tiered(ROUTED_RUNS))
 def test_the_donated_routed_step_updates_the_table_in_place(checks, run):
   """The compiled train step (`update` + `apply_updates`, donated) writes the table into
   its own buffer and copies no buffer of a table shard's size: a step's work follows

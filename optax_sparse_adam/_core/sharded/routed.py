@@ -312,10 +312,13 @@ def flagged_step(
 
     def routed_input(round_index):
       got_rows, got_values = routing.exchange(buckets.rows, buckets.values, axis, max_row=num_rows)
+      # 16-bit values leave the branch as their bits (`routing.as_bits`).
+      got_values = routing.as_bits(got_values)
       return routing.to_local(got_rows, shard, rows_per_shard), got_values, jnp.int32(1), 0
 
     if capacity >= local_entries:  # no device can fill a bucket: no overflow path
       local, got_values, _, _ = routed_input(0)
+      got_values = routing.from_bits(got_values, values.dtype)
       unique_rows, delta, carried = owner_step(local, got_values, carried, param, replicated)
       ids = routing.owned_ids(unique_rows, shard, rows_per_shard)
       return routing.decode_rows(ids, shard, num_rows), delta, carried, overflow.flag_of(False)
@@ -332,7 +335,7 @@ def flagged_step(
       counts = lax.all_gather(count, axis)
       first_slot = jnp.sum(jnp.where(jnp.arange(num_shards) < shard, counts, 0))
       chunk_rows = routing.chunk(owned.rows, round_index, slots, rows_per_shard)
-      chunk_values = routing.chunk(owned.values, round_index, slots, 0)
+      chunk_values = routing.as_bits(routing.chunk(owned.values, round_index, slots, 0))
       return jnp.minimum(chunk_rows, rows_per_shard), chunk_values, rounds, first_slot
 
     # Every device takes the same branches: the collectives inside must match.
@@ -343,6 +346,7 @@ def flagged_step(
       local, got_values, rounds, first_slot = lax.cond(
         overflowed, gathered_input, routed_input, round_index
       )
+      got_values = routing.from_bits(got_values, values.dtype)
       unique_rows, round_delta, carried = owner_step(local, got_values, carried, param, replicated)
 
       @jax.named_scope(OVERFLOW_SCOPE)
@@ -362,6 +366,7 @@ def flagged_step(
         return routing.owned_ids(unique_rows, shard, rows_per_shard), round_delta
 
       round_ids, round_delta = lax.cond(overflowed, spread, own, None)
+      round_delta = routing.as_bits(round_delta)  # a 16-bit delta carried as its bits
       landed = round_ids > 0
       ids = jnp.where(landed, round_ids, ids)
       delta = jnp.where(routing.expand(landed, delta.ndim), round_delta, delta)
@@ -370,9 +375,12 @@ def flagged_step(
     # The tables travel in a loop, not through a cond: XLA updates a loop's
     # carry in place, but copies a table that a cond's branch reads and writes.
     dtype = param.dtype if stores_rows(plan.rule, plan.config) else values.dtype  # the delta's
-    delta = jnp.zeros((slots,) + values.shape[1:], dtype)
+    # A 16-bit delta is carried as its bits (`routing.as_bits`): XLA:CPU would select and
+    # carry bfloat16 through float32.
+    delta = routing.as_bits(jnp.zeros((slots,) + values.shape[1:], dtype))
     loop = (jnp.int32(0), jnp.int32(1), carried, jnp.zeros((slots,), jnp.int32), delta)
     _, _, carried, ids, delta = lax.while_loop(lambda loop: loop[0] < loop[1], one_round, loop)
+    delta = routing.from_bits(delta, dtype)
     flag = overflow.flag_of(overflowed)
     return routing.decode_rows(ids, shard, num_rows), delta, carried, flag
 

@@ -136,7 +136,7 @@ def exchange(
     return _unpack(received, values)
   return (
     lax.all_to_all(rows, axis, 0, 0, tiled=True),
-    lax.all_to_all(values, axis, 0, 0, tiled=True),
+    from_bits(lax.all_to_all(as_bits(values), axis, 0, 0, tiled=True), values.dtype),
   )
 
 
@@ -148,7 +148,7 @@ def gather_all(
     return _unpack(lax.all_gather(_pack(rows, values), axis, axis=0, tiled=True), values)
   return (
     lax.all_gather(rows, axis, axis=0, tiled=True),
-    lax.all_gather(values, axis, axis=0, tiled=True),
+    from_bits(lax.all_gather(as_bits(values), axis, axis=0, tiled=True), values.dtype),
   )
 
 
@@ -193,9 +193,12 @@ def spread_rows(
   target = jnp.where(valid, first_slot + jnp.arange(rows.shape[0], dtype=jnp.int32), total)
   # One contributor per slot and zeros elsewhere: the sums below are exact.
   ids = jnp.zeros((total,), jnp.int32).at[target].set(rows + 1, mode="drop")
-  vals = jnp.zeros((total,) + values.shape[1:], values.dtype).at[target].set(values, mode="drop")
+  # A 16-bit float's bits summed as integers: one contributor and zeros, so exact too
+  # (and -0.0 and NaN payloads kept, which a float sum with +0.0 would not keep).
+  bits = as_bits(values)
+  vals = jnp.zeros((total,) + bits.shape[1:], bits.dtype).at[target].set(bits, mode="drop")
   ids = lax.psum_scatter(ids, axis, scatter_dimension=0, tiled=True)
-  return ids, lax.psum_scatter(vals, axis, scatter_dimension=0, tiled=True)
+  return ids, from_bits(lax.psum_scatter(vals, axis, scatter_dimension=0, tiled=True), values.dtype)
 
 
 def owned_ids(local_rows: jax.Array, shard: jax.Array, rows_per_shard: int) -> jax.Array:
@@ -220,6 +223,24 @@ def chunk(x: jax.Array, index: jax.Array, size: int, fill: int | float) -> jax.A
   pad = [(0, rounds * size - x.shape[0])] + [(0, 0)] * (x.ndim - 1)
   padded = jnp.pad(x, pad, constant_values=fill)
   return lax.dynamic_slice_in_dim(padded, index * size, size)
+
+
+def as_bits(x: jax.Array) -> jax.Array:
+  """A bfloat16 or float16 array as its uint16 bits (free), any other as it is.
+
+  XLA:CPU moves and selects bfloat16 through float32 (a conversion each way around
+  every collective, select and loop carry); its bits move as they are.
+  """
+  if jnp.issubdtype(x.dtype, jnp.floating) and x.dtype.itemsize == 2:
+    return lax.bitcast_convert_type(x, jnp.uint16)
+  return x
+
+
+def from_bits(x: jax.Array, dtype) -> jax.Array:
+  """The inverse of `as_bits` for an array of `dtype`."""
+  if x.dtype == jnp.dtype(dtype):
+    return x
+  return lax.bitcast_convert_type(x, dtype)
 
 
 def expand(mask: jax.Array, ndim: int) -> jax.Array:
