@@ -11,7 +11,8 @@ mesh axis of `num_shards` devices. Device `k` owns the table rows
                     slice); `overflow` says a bucket needed more slots.
   exchange          one `all_to_all`: bucket `d` of every device goes to device
                     `d`; float32 rows carry their ids bit-cast in one more
-                    word, so one collective carries both (two otherwise).
+                    word, so one collective carries both (two otherwise;
+                    bfloat16 and float16 rows as their uint16 bits, `as_bits`).
   gather_all        the overflow path: every device's entries on every device
                     (`all_gather`, in global input order).
   spread_rows       the overflow path: owners' distinct rows placed in global
