@@ -288,6 +288,7 @@ def flagged_step(
   replicated_inputs = (inputs.step, [leaves[i] for i in traced], inputs.opaque_zero)
 
   def owner_step(local_rows, local_values, carried, param, replicated):
+    local_values = routing.from_bits(local_values, values.dtype)  # 16-bit: as bits (as_bits)
     step, arrays, opaque_zero = replicated
     full = list(leaves)
     for i, array in zip(traced, arrays, strict=True):
@@ -312,13 +313,10 @@ def flagged_step(
 
     def routed_input(round_index):
       got_rows, got_values = routing.exchange(buckets.rows, buckets.values, axis, max_row=num_rows)
-      # 16-bit values leave the branch as their bits (`routing.as_bits`).
-      got_values = routing.as_bits(got_values)
       return routing.to_local(got_rows, shard, rows_per_shard), got_values, jnp.int32(1), 0
 
     if capacity >= local_entries:  # no device can fill a bucket: no overflow path
       local, got_values, _, _ = routed_input(0)
-      got_values = routing.from_bits(got_values, values.dtype)
       unique_rows, delta, carried = owner_step(local, got_values, carried, param, replicated)
       ids = routing.owned_ids(unique_rows, shard, rows_per_shard)
       return routing.decode_rows(ids, shard, num_rows), delta, carried, overflow.flag_of(False)
@@ -346,7 +344,6 @@ def flagged_step(
       local, got_values, rounds, first_slot = lax.cond(
         overflowed, gathered_input, routed_input, round_index
       )
-      got_values = routing.from_bits(got_values, values.dtype)
       unique_rows, round_delta, carried = owner_step(local, got_values, carried, param, replicated)
 
       @jax.named_scope(OVERFLOW_SCOPE)
@@ -363,26 +360,21 @@ def flagged_step(
         )
 
       def own(_):
-        return routing.owned_ids(unique_rows, shard, rows_per_shard), round_delta
+        return routing.owned_ids(unique_rows, shard, rows_per_shard), routing.as_bits(round_delta)
 
       round_ids, round_delta = lax.cond(overflowed, spread, own, None)
-      round_delta = routing.as_bits(round_delta)  # a 16-bit delta carried as its bits
       landed = round_ids > 0
       ids = jnp.where(landed, round_ids, ids)
       delta = jnp.where(routing.expand(landed, delta.ndim), round_delta, delta)
       return round_index + 1, rounds, carried, ids, delta
 
-    # The tables travel in a loop, not through a cond: XLA updates a loop's
-    # carry in place, but copies a table that a cond's branch reads and writes.
+    # The tables travel in a loop, not a cond (module docstring); a 16-bit delta as its bits.
     dtype = param.dtype if stores_rows(plan.rule, plan.config) else values.dtype  # the delta's
-    # A 16-bit delta is carried as its bits (`routing.as_bits`): XLA:CPU would select and
-    # carry bfloat16 through float32.
     delta = routing.as_bits(jnp.zeros((slots,) + values.shape[1:], dtype))
     loop = (jnp.int32(0), jnp.int32(1), carried, jnp.zeros((slots,), jnp.int32), delta)
     _, _, carried, ids, delta = lax.while_loop(lambda loop: loop[0] < loop[1], one_round, loop)
     delta = routing.from_bits(delta, dtype)
-    flag = overflow.flag_of(overflowed)
-    return routing.decode_rows(ids, shard, num_rows), delta, carried, flag
+    return routing.decode_rows(ids, shard, num_rows), delta, carried, overflow.flag_of(overflowed)
 
   def row_specs(tree: Any) -> Any:
     return jax.tree.map(lambda x: _row_spec(axis, x.ndim), tree)

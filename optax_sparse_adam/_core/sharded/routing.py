@@ -130,14 +130,14 @@ def exchange(
   Returns:
     `(rows, values)` received, the same shapes: slots `[s * capacity, (s + 1) *
     capacity)` came from device `s`, so summing a row's slots in order adds the
-    senders' sums in device order.
+    senders' sums in device order. 16-bit float values come as their bits (`as_bits`).
   """
   if _packs(values, max_row):
     received = lax.all_to_all(_pack(rows, values), axis, 0, 0, tiled=True)
     return _unpack(received, values)
   return (
     lax.all_to_all(rows, axis, 0, 0, tiled=True),
-    from_bits(lax.all_to_all(as_bits(values), axis, 0, 0, tiled=True), values.dtype),
+    lax.all_to_all(as_bits(values), axis, 0, 0, tiled=True),
   )
 
 
@@ -187,7 +187,8 @@ def spread_rows(
 
   Returns:
     `(ids, values)` of this device's slots: `ids` holds row id + 1, 0 where no
-    row landed (`decode_rows` turns them into row ids).
+    row landed (`decode_rows` turns them into row ids); 16-bit float values as their
+    bits (`as_bits`).
   """
   total = lax.axis_size(axis) * slots
   valid = rows < num_rows
@@ -199,7 +200,7 @@ def spread_rows(
   bits = as_bits(values)
   vals = jnp.zeros((total,) + bits.shape[1:], bits.dtype).at[target].set(bits, mode="drop")
   ids = lax.psum_scatter(ids, axis, scatter_dimension=0, tiled=True)
-  return ids, from_bits(lax.psum_scatter(vals, axis, scatter_dimension=0, tiled=True), values.dtype)
+  return ids, lax.psum_scatter(vals, axis, scatter_dimension=0, tiled=True)
 
 
 def owned_ids(local_rows: jax.Array, shard: jax.Array, rows_per_shard: int) -> jax.Array:
