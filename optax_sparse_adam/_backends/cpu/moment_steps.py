@@ -56,7 +56,7 @@ def adam_step(inputs: StepInputs, plan: StepPlan) -> RowsStep:
   """The Adam variant: the plain kernel, or the one with the pipeline's options."""
   assert isinstance(plan.rule, AdamRule)
   if not plain(inputs, plan):
-    return _adam_options_step(inputs, plan, _no_rounded_table())
+    return _adam_options_step(inputs, plan, rounded_table(inputs, rounds=False))
   step_size = plan.rule.step_size(inputs.hyper, inputs.step)
   rows, delta, mu, nu = _fused_call(FUSED_ADAM, inputs, plan, [step_size], None)
   return RowsStep(rows, delta, Tables({"mu": mu, "nu": nu}))
@@ -107,20 +107,19 @@ def adam_rounded_step(inputs: StepInputs, plan: StepPlan) -> RowsStep:
   (the table's dtype, zeros at padding) in place of the delta, for the apply to store.
   """
   assert rounds_in_pass(inputs, plan)
-  param = inputs.tables.param
-  assert param is not None
-  keys = rounding.kernel_keys(inputs.step, rounding.PARAM_SLOT, inputs.row_offset)
-  table = _RoundedTable(param, keys, jax.ShapeDtypeStruct(inputs.values.shape, param.dtype))
+  table = rounded_table(inputs, rounds=True)
   if isinstance(plan.rule, RowwiseAdamRule):
     return _rowwise_adam_step(inputs, plan, table)
   if not plain(inputs, plan):
     return _adam_options_step(inputs, plan, table)
-  return _adam_16_bit_step(inputs, plan, param, keys, param.dtype, narrow_delta=False)
+  return _adam_16_bit_step(
+    inputs, plan, table.table, table.keys, table.table.dtype, narrow_delta=False
+  )
 
 
-class _RoundedTable(NamedTuple):
-  """A 16-bit table whose rows an option kernel rounds in its pass (`RoundedRows`), its
-  keys (uint32 `(2,)`) and its new rows' type; all empty where the step rounds none."""
+class RoundedTable(NamedTuple):
+  """A 16-bit table whose rows a kernel rounds in its pass (`RoundedRows` in row_round.h):
+  the table, its keys (uint32 `(2,)`) and its new rows' type; empty where none is."""
 
   table: jax.Array
   keys: jax.Array
@@ -131,12 +130,17 @@ class _RoundedTable(NamedTuple):
     return self.table.size > 0
 
 
-def _no_rounded_table() -> _RoundedTable:
-  return _RoundedTable(
-    jnp.zeros((0,), jnp.bfloat16),
-    jnp.zeros((2,), jnp.uint32),
-    jax.ShapeDtypeStruct((0,), jnp.bfloat16),
-  )
+def rounded_table(inputs: StepInputs, *, rounds: bool) -> RoundedTable:
+  """The step's parameter as the table its kernel rounds (`rounds`: the parameter's keys
+  of this step, `rounding.kernel_keys` at `PARAM_SLOT`), or the empty buffers of none."""
+  param = inputs.tables.param
+  if not rounds:
+    empty = jax.ShapeDtypeStruct((0,), jnp.bfloat16)
+    return RoundedTable(jnp.zeros((0,), jnp.bfloat16), jnp.zeros((2,), jnp.uint32), empty)
+  assert param is not None
+  keys = rounding.kernel_keys(inputs.step, rounding.PARAM_SLOT, inputs.row_offset)
+  new_rows = jax.ShapeDtypeStruct(inputs.values.shape, param.dtype)
+  return RoundedTable(param, keys.astype(jnp.uint32), new_rows)
 
 
 def adam_narrow_step(inputs: StepInputs, plan: StepPlan) -> RowsStep:
@@ -301,7 +305,7 @@ def _catch_up_coefficients(inputs: StepInputs, plan: StepPlan) -> list[Any]:
 _NUM_CATCH_UP_CONSTANTS = 15
 
 
-def _adam_options_step(inputs: StepInputs, plan: StepPlan, rounded: _RoundedTable) -> RowsStep:
+def _adam_options_step(inputs: StepInputs, plan: StepPlan, rounded: RoundedTable) -> RowsStep:
   """The Adam step with weight decay, amsgrad, per-row steps or catch-up: one FFI call
   (with per-row steps, after `_entry_step_counts`'s).
 
@@ -339,7 +343,7 @@ def _adam_options_step(inputs: StepInputs, plan: StepPlan, rounded: _RoundedTabl
     coefficients,
     _option_arrays(inputs, plan, entry_scales),
     updated=(last_step,),
-    read=(step.astype(i32), rounded.table, rounded.keys.astype(jnp.uint32)),
+    read=(step.astype(i32), rounded.table, rounded.keys),
     more_outputs=(rounded.new_rows,),
     decoupled=config.weight_decay == "decoupled",
     catch_up=catch_up,
@@ -360,10 +364,10 @@ _DECAY_CODES = {"none": 0, "l2": 1, "decoupled": 2}
 def rowwise_adam_step(inputs: StepInputs, plan: StepPlan) -> RowsStep:
   """The row-wise Adam step, with weight decay, amsgrad and per-row steps: one FFI call
   (with per-row steps, after `_entry_step_counts`'s)."""
-  return _rowwise_adam_step(inputs, plan, _no_rounded_table())
+  return _rowwise_adam_step(inputs, plan, rounded_table(inputs, rounds=False))
 
 
-def _rowwise_adam_step(inputs: StepInputs, plan: StepPlan, rounded: _RoundedTable) -> RowsStep:
+def _rowwise_adam_step(inputs: StepInputs, plan: StepPlan, rounded: RoundedTable) -> RowsStep:
   """`rowwise_adam_step`; with a `rounded` table, its new rows in place of the delta."""
   assert isinstance(plan.rule, RowwiseAdamRule)
   f32 = jnp.float32
@@ -384,7 +388,7 @@ def _rowwise_adam_step(inputs: StepInputs, plan: StepPlan, rounded: _RoundedTabl
     plan,
     coefficients,
     _option_arrays(inputs, plan, entry_scales),
-    read=(rounded.table, rounded.keys.astype(jnp.uint32)),
+    read=(rounded.table, rounded.keys),
     more_outputs=(rounded.new_rows,),
     decay=_DECAY_CODES[config.weight_decay],
     amsgrad=plan.rule.amsgrad,

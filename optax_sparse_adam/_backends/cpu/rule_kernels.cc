@@ -9,12 +9,12 @@
 // One pass over the distinct rows, as the Adam kernels (`ffi_common.h`): the
 // gradient's rows coalesced, each row's slot read once and updated in place,
 // its delta written (and on a bfloat16 or float16 table rounded stochastically, the
-// row's new value, `RoundedRows` in row_round.h, as the Adam kernels). The arithmetic is the rule's `update` and
-// `xla.masked_step`'s around it, operation for operation: every product
-// rounded on its own (compiled with -ffp-contract=off, so no FMA, as the XLA
-// path rounds its products with `adam.rounded`), square root and division
-// IEEE, row sums in `pairwise_row_sum`'s order, so the two paths agree bit for
-// bit (tests/backends/test_cpu_rule_kernels.py).
+// row's new value: `RoundedRows` in row_round.h, as the Adam kernels). The arithmetic
+// is the rule's `update` and `xla.masked_step`'s around it, operation for operation:
+// every product rounded on its own (compiled with -ffp-contract=off, so no FMA, as the
+// XLA path rounds its products with `adam.rounded`), square root and division IEEE,
+// row sums in `pairwise_row_sum`'s order, so the two paths agree bit for bit
+// (tests/backends/test_cpu_rule_kernels.py).
 
 #include <cmath>
 #include <cstdint>
@@ -193,9 +193,9 @@ ffi::Error RuleStepImpl(ffi::Buffer<ffi::S32> rows, ffi::AnyBuffer values,
       error.failure()) {
     return error;
   }
-  // The float32 `param` is the table's value as the step reads it: a rounded 16-bit table
-  // is not read as one (its rows would have to be widened first), so weight decay and
-  // max_norm on such a table keep the XLA ops (`rule_steps.rounds_in_pass`).
+  // Weight decay and max_norm read the float32 `param`; a 16-bit table is not read as
+  // one (its rows would have to be widened first): on such a table they keep the generic
+  // kernels (`kernels._moment_step_applies`, `rule_steps.rounds_in_pass`).
   if (rounded.active() && reads_param) {
     return ffi::Error::InvalidArgument(
         "a table rounded in the step's pass takes no weight decay or max_norm");

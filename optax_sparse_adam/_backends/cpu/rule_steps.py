@@ -145,21 +145,14 @@ def _step(inputs: StepInputs, plan: StepPlan, *, rounded: bool) -> RowsStep:
   # A one-slot rule's slot is its pair's first: the hash's top half, as the kernel takes.
   pair = rounding.hash_half(names, names[0])[0]
   keys = rounding.kernel_keys(inputs.step, pair, inputs.row_offset)
-  # The table whose rows the kernel rounds (`RoundedRows`), or none (empty buffers).
-  table = tables.param if rounded else None
-  if table is None:
-    table, param_keys = jnp.zeros((0,), jnp.bfloat16), jnp.zeros((2,), jnp.uint32)
-    new_rows = jax.ShapeDtypeStruct((0,), jnp.bfloat16)
-  else:
-    param_keys = rounding.kernel_keys(inputs.step, rounding.PARAM_SLOT, inputs.row_offset)
-    new_rows = jax.ShapeDtypeStruct(inputs.values.shape, table.dtype)
+  table = moment_steps.rounded_table(inputs, rounds=rounded)  # empty buffers if not
   call = jax.ffi.ffi_call(
     RULE_STEP,
     (
       jax.ShapeDtypeStruct(inputs.rows.shape, jnp.int32),
       jax.ShapeDtypeStruct(inputs.values.shape, f32),
       jax.ShapeDtypeStruct(slot.shape, slot.dtype),
-      new_rows,
+      table.new_rows,
     ),
     input_output_aliases={2: 2},
     vmap_method=moment_steps.VMAP_METHOD,
@@ -171,8 +164,8 @@ def _step(inputs: StepInputs, plan: StepPlan, *, rounded: bool) -> RowsStep:
     jnp.stack([jnp.asarray(x, f32) for x in _coefficients(inputs, plan)]),
     keys,
     jnp.zeros((0,), f32) if param is None else param,
-    table,
-    param_keys.astype(jnp.uint32),
+    table.table,
+    table.keys,
     num_rows=plan.layout.num_rows,
     rule=_rule_code(plan.rule),
     maximize=config.maximize,
