@@ -100,25 +100,34 @@ def _program(
     return (out, *(jnp.asarray(new_rows[s.name]) for s in rule.slots()))
 
   block = jax.ShapeDtypeStruct(row_shape, jnp.float32)
+  per_row = jax.ShapeDtypeStruct(row_shape[:1], jnp.float32)  # a per-row slot's values
   scalar = jax.ShapeDtypeStruct((), jnp.float32)
+  slot_avals = [per_row if slot.per_row else block for slot in rule.slots()]
   args = (
     block,
     block,
-    [block] * num_slots,
+    slot_avals,
     [scalar] * len(scalar_positions),
     jax.ShapeDtypeStruct((), jnp.int32),
     None if step_aval is None else jax.ShapeDtypeStruct((), step_aval),
   )
   jaxpr = jax.make_jaxpr(row_math)(*args)
-  for var in jaxpr.jaxpr.outvars:
-    if not isinstance(var, jex_core.Literal) and tuple(var.aval.shape) not in (row_shape, ()):
+  expected = [block, *slot_avals]
+  for var, aval in zip(jaxpr.jaxpr.outvars, expected, strict=True):
+    if not isinstance(var, jex_core.Literal) and tuple(var.aval.shape) not in (aval.shape, ()):
       return _Traced(None, f"the update returns a value of shape {var.aval.shape}")
     if jnp.dtype(var.aval.dtype) != _F32:
       return _Traced(None, f"the update returns {var.aval.dtype} rows")
   try:
     return _Traced(
       row_program_ops.compile_jaxpr(
-        jaxpr, row_shape, num_slots, num_scalars, jit, zero_scalar=len(scalar_positions)
+        jaxpr,
+        row_shape,
+        num_slots,
+        num_scalars,
+        jit,
+        zero_scalar=len(scalar_positions),
+        per_row_slots=[slot.per_row for slot in rule.slots()],
       ),
       None,
     )
@@ -172,8 +181,6 @@ def refusal(inputs: StepInputs, plan: StepPlan, *, jit: bool = True) -> str | No
     return "the pipeline's weight decay or max_norm"
   if config.param_rounding != "nearest" or jnp.dtype(config.compute_dtype) != _F32:
     return "a step that is not float32 rounded to nearest"
-  if any(slot.per_row for slot in rule.slots()):
-    return "a per-row slot"
   arrays = [*tables.slots.values()]
   if reads_param(rule) or sets_rows(rule):
     if tables.param is None:
@@ -277,8 +284,6 @@ def report(rule: Any, hyper: Any, *, dense_shape: Sequence[int], maximize: bool 
     "the 'ftrl' rule runs the row program (17 ops)"
   """
   row_shape = (1, *dense_shape)
-  if any(slot.per_row for slot in rule.slots()):
-    return f"the {rule.name!r} rule runs the generic path: a per-row slot"
   key = _hyper_key(hyper)
   if isinstance(key, str):
     return f"the {rule.name!r} rule runs the generic path: {key}"
