@@ -31,9 +31,9 @@ from optax_sparse_adam._core.row_rules.rowwise_adagrad import (
 )
 from optax_sparse_adam._core.row_rules.sgd import SGDHyperparams as SGDHyperparams
 from optax_sparse_adam._core.row_rules.sgd import SGDRule as SGDRule
+from optax_sparse_adam._core.row_sum import row_sum as row_sum
 from optax_sparse_adam._core.row_update import DensifyingUpdateWarning as DensifyingUpdateWarning
 from optax_sparse_adam._core.row_update import RowUpdate as RowUpdate
-from optax_sparse_adam._core.row_sum import row_sum as row_sum
 from optax_sparse_adam._core.rules import CatchUp as CatchUp
 from optax_sparse_adam._core.rules import CaughtUp as CaughtUp
 from optax_sparse_adam._core.rules import IdleBlock as IdleBlock

@@ -131,7 +131,6 @@ class _Compiler:
     """Each sum of a product used by nothing else, as one FMA (XLA:CPU's contraction)."""
     uses: dict[int, int] = {}
     for op in (*self.prologue, *self.row_ops):
-      code = op[0]
       for r in _reads(op):
         uses[r] = uses.get(r, 0) + 1
     for r in outs:
