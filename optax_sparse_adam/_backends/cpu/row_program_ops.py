@@ -546,8 +546,11 @@ def _allocated(
   free: list[int] = []
   num_regs = first_row
   renumbered_rows = []
+  outputs = set(outs)
   for i, op in enumerate(row_ops):
-    if free:
+    # An output gets a register of its own: written by its op alone, the kernel can compute
+    # it straight into its table (`row_program.cc`'s outputs in place).
+    if free and op[1] not in outputs:
       number[op[1]] = free.pop()
     else:
       number[op[1]] = num_regs
