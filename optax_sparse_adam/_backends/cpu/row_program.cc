@@ -13,7 +13,12 @@
 // rows (the prologue). The new slot rows and the rule's rows (deltas, or new
 // values for a rule that sets rows) are computed straight into the slot tables
 // and the output where no later op reads what they replace, else copied there at
-// the end of the chunk; padding rows are zero.
+// the end of the chunk; padding rows are zero. A program with per-row values (a
+// per-row slot's, whose table holds one value a row, or a row's sum: `osa.row_sum`)
+// runs each row as one chunk, whatever its width: a row's sum (kRowSum, `PairwiseSum`'s
+// order) needs the whole row, and a per-row value is computed and stored once a row.
+// Ops on per-row values run on one lane (flagged kOneLane), in runs of their own; a
+// per-row value enters a row's ops by a broadcast (kBroadcast).
 //
 // Each op is one IEEE float32 operation, as XLA computes it: the kernels are
 // compiled without contraction (every product rounded), and the Python side
@@ -305,17 +310,18 @@ ffi::Error ReadProgram(ffi::Span<const int32_t> code, int64_t num_slots, int64_t
 
 // Inputs: rows s32 (nse,), values (f32, bf16 or f16, (nse, ...)), param f32 (its own
 // shape; empty where the rule does not read it), scalars u32 (the program's scalars'
-// bits), then each slot table (f32, the parameter's shape). Attributes: num_rows, program.
+// bits), then each slot table (f32, the parameter's shape, or (num_rows,) for a
+// per-row slot). Attributes: num_rows, program.
 // Outputs: the distinct rows then padding, the rows' results (f32), each slot table
 // (aliased to its input).
 //
 // One pass over the distinct rows (the table rows they touch prefetched): a row's
 // gradient entries summed into the output, then the program run over the row in chunks
-// of kChunk columns. A chunk's input registers are the rows where they lie (the summed
-// gradient in the output, the parameter's and each slot's row in their tables: nothing
-// is staged); its other registers are thread-local and stay in L1; at the chunk's end
-// the new slot values are written into the slot tables and the rule's values over the
-// gradient's sums.
+// of kChunk columns (the whole row with per-row values). A chunk's input registers are
+// the rows where they lie (the summed gradient in the output, the parameter's and each
+// slot's row in their tables: nothing is staged); its other registers are thread-local
+// and stay in L1; at the chunk's end the new slot values are written into the slot
+// tables and the rule's values over the gradient's sums.
 ffi::Error RowProgramImpl(ffi::Buffer<ffi::S32> rows, ffi::AnyBuffer values,
                           ffi::Buffer<ffi::F32> param, ffi::Buffer<ffi::U32> scalars,
                           ffi::RemainingArgs slots, int64_t num_rows,

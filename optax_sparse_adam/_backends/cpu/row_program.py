@@ -10,7 +10,9 @@ vectors, in the pass that coalesces the ids, sums duplicates, reads the slot
 and parameter rows and stores the new ones in place. The kernel knows only
 primitives (add, sub, mul, div, neg, sqrt, abs, sign, max, min, comparisons,
 select, the bit XOR of `adam.rounded`, no-op conversions and broadcasts of
-scalars): no per-rule C++.
+scalars), per-row values (one lane a row: a per-row slot's, broadcast over the
+row by one op) and `osa.row_sum` (one op: the row's pairwise sum): no per-rule
+C++.
 
 Numerics: each op is one IEEE operation of float32, as XLA computes it (the
 kernel is compiled without contraction), and the compiler does what XLA does
@@ -18,8 +20,9 @@ to the same math (`row_program_ops`: a division by a constant is a product by
 its inverse; under jit such a product used by one sum is one FMA), so the
 program's rows equal the XLA ops' bit for bit. Where XLA's result depends on
 its fusions the program refuses the rule: a product of the rule's own summed
-unrounded (`adam.rounded` pins it), and any primitive it does not know (`pow`,
-`exp`, reductions) on row values. An equation of uniform values alone that the
+unrounded, or into `osa.row_sum` (`adam.rounded`, `row_sum`'s `opaque_zero`,
+pins it), and any primitive it does not know (`pow`, `exp`, `jnp.sum`'s
+`reduce_sum`, whose order XLA does not fix) on row values. An equation of uniform values alone that the
 kernel does not know (the step count's int->float conversion or comparison,
 `pow` of hyper-parameters) is hoisted: computed by XLA before the kernel, by the
 same primitive, and read by the kernel as one more scalar. A refused rule keeps
@@ -262,8 +265,10 @@ def report(rule: Any, hyper: Any, *, dense_shape: Sequence[int], maximize: bool 
   A rule without a fused kernel of its own runs its CPU step on the row program
   (one generic kernel that runs the rule's traced math on each coalesced row,
   reading and storing its rows in place) where its `update` is elementwise over
-  float32 rows; otherwise on the generic kernels around its math in XLA ops
-  (slower: the rows are gathered into blocks and stored back). This traces the
+  float32 rows, per-row values (per-row slots) and row sums by `osa.row_sum`;
+  otherwise on the generic kernels around its math in XLA ops (the rows are
+  gathered into blocks and stored back). A sum by `jnp.sum` or `jnp.mean` keeps
+  a rule there: the report says to use `osa.row_sum`. This traces the
   rule's update as a jitted step traces it, for float32 tables with rows of
   `dense_shape` and no weight decay or `max_norm`.
 
