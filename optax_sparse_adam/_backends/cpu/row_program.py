@@ -22,12 +22,13 @@ program's rows equal the XLA ops' bit for bit. Where XLA's result depends on
 its fusions the program refuses the rule: a product of the rule's own summed
 unrounded, or into `osa.row_sum` (`adam.rounded`, `row_sum`'s `opaque_zero`,
 pins it), and any primitive it does not know (`pow`, `exp`, `jnp.sum`'s
-`reduce_sum`, whose order XLA does not fix) on row values. An equation of uniform values alone that the
-kernel does not know (the step count's int->float conversion or comparison,
-`pow` of hyper-parameters) is hoisted: computed by XLA before the kernel, by the
-same primitive, and read by the kernel as one more scalar. A refused rule keeps
-the generic path (the rows gathered, the math in XLA ops, the rows stored), and
-`refusal` says why (`osa.row_program_report`).
+`reduce_sum`, whose order XLA does not fix) on row values. An equation of
+uniform values alone that the kernel does not know (the step count's
+int->float conversion or comparison, `pow` of hyper-parameters) is hoisted:
+computed by XLA before the kernel, by the same primitive, and read by the
+kernel as one more scalar. A refused rule keeps the generic path (the rows
+gathered, the math in XLA ops, the rows stored), and `refusal` says why
+(`osa.row_program_report`).
 """
 
 from __future__ import annotations

@@ -12,12 +12,13 @@ product of scalars, ...) is hoisted: XLA computes it before the kernel, from
 the same scalars and by the same primitive, and the kernel reads it as one
 more scalar (`Program.hoisted`, `hoisted_scalars`). Values of one per row
 (`(n,)`, `(n, 1)`: a per-row slot's, a row's sum) are per-row registers, whose
-ops run on one lane; a broadcast over the row is one op, and `osa.row_sum` (its
-`jax.jit`, named `ROW_SUM_NAME`) is one reduction op. It refuses (`Refused`) any primitive the kernel does not know on
-row values (`reduce_sum`: use `osa.row_sum`) and any product of the rule's own
-summed unrounded into a row or into a row sum (whether XLA contracts it
-depends on its fusions). Dead ops are dropped and row registers reused (an
-output's register is its own).
+ops run on one lane; a broadcast over the row is one op, and `osa.row_sum`
+(its `jax.jit`, named `ROW_SUM_NAME`) is one reduction op. It refuses
+(`Refused`) any primitive the kernel does not know on row values
+(`reduce_sum`: use `osa.row_sum`) and any product of the rule's own summed
+unrounded into a row or into a row sum (whether XLA contracts it depends on
+its fusions). Dead ops are dropped and row registers reused (an output's
+register is its own).
 """
 
 from __future__ import annotations
