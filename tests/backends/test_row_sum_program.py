@@ -228,7 +228,7 @@ def _pairwise(x):
     pytest.param((5, 1), marks=pytest.mark.slow),
     (5, 7),
     pytest.param((3, 100), marks=pytest.mark.slow),
-    (4, 2, 3),
+    pytest.param((4, 2, 3), marks=pytest.mark.slow),
   ],
 )
 def test_row_sum_is_the_pairwise_sum_jitted_eagerly_and_under_vmap(shape):
@@ -249,3 +249,75 @@ def test_row_sum_is_the_pairwise_sum_jitted_eagerly_and_under_vmap(shape):
   np.testing.assert_array_equal(grad, np.ones(shape, np.float32))
   with pytest.raises(ValueError, match="row_sum needs rows"):
     osa.row_sum(jnp.float32(1.0))
+
+
+@dataclasses.dataclass(frozen=True)
+class UserPeak:
+  """A user's rule of `jnp.maximum` and `jnp.minimum` (XLA:CPU's: -0 below +0, NaNs)."""
+
+  name: str = dataclasses.field(default="user_peak", init=False)
+
+  def slots(self):
+    return (osa.Slot("peak", init=-0.0), osa.Slot("low", init=-0.0))
+
+  def update(self, block, hyper):
+    g, peak, low = block.grad, block.slots["peak"], block.slots["low"]
+    return g * 0.5, {"peak": jnp.maximum(peak, g), "low": jnp.minimum(g, low)}
+
+
+@pytest.mark.parametrize(
+  "use_jit", [True, pytest.param(False, marks=pytest.mark.slow)], ids=["jit", "eager"]
+)
+def test_maximum_and_minimum_keep_the_xla_ops_bits_for_signed_zeros_and_nans(use_jit):
+  # (-0.0 on the slots' side: their initial value; a gradient's -0.0 alone in its row is
+  # summed to +0.0 by the kernels' coalescing, kept by the XLA ops' with one entry.)
+  specials = np.array([0.0, 2.0, np.nan, -np.nan, np.inf, -np.inf, 1.0, -1.0], np.float32)
+  width = len(specials) ** 2  # every pair of a gradient's value and a slot's
+  g_values = np.repeat(specials, len(specials))
+  runs = {}
+  for path in (choice.GENERIC_KERNELS, choice.GENERIC_XLA):
+    opt = osa.sparse_rule_transformation(UserPeak(), UserHyper(0.1))
+    params = {"t": jnp.zeros((4, width), jnp.float32)}
+    state = opt.init(params)
+    step = jax.jit(train_step(opt)) if use_jit else train_step(opt)
+    with choice.choose(forced=path):
+      for k in range(2):
+        # First the slots (-0.0) meet every special value, then every pair of two.
+        vals = np.tile(specials, len(specials)) if k == 0 else g_values
+        grad = sparse.BCOO(
+          (jnp.asarray(vals[None]), jnp.asarray([[1]], jnp.int32)), shape=(4, width)
+        )
+        if use_jit and path == choice.GENERIC_KERNELS:
+          assert PROGRAM in step.lower(params, state, {"t": grad}).as_text()
+        params, state = step(params, state, {"t": grad})
+    runs[path] = state  # (the parameter's NaN + NaN is the apply's, not the row program's)
+  _assert_same_bits(runs[choice.GENERIC_KERNELS], runs[choice.GENERIC_XLA])
+
+
+@dataclasses.dataclass(frozen=True)
+class UserFlip:
+  """A user's rule multiplying by -1, which LLVM may turn into a negation under jit."""
+
+  name: str = dataclasses.field(default="user_flip", init=False)
+
+  def slots(self):
+    return ()
+
+  def update(self, block, hyper):
+    return block.grad * -1.0, {}
+
+
+def test_a_product_by_minus_one_is_refused_under_jit_and_a_product_op_by_op():
+  """Op by op XLA multiplies (a NaN keeps its sign), as the row program does; under jit
+  LLVM may turn it into a negation folded into what uses it: refused, as a negation."""
+  report = osa.row_program_report(UserFlip(), UserHyper(0.1), dense_shape=(8,))
+  assert "runs the generic path: a negation" in report, report
+  opt = osa.sparse_rule_transformation(UserFlip(), UserHyper(0.1))
+  vals = np.array([[np.nan, -np.nan, 1.0, -1.0, np.inf, 0.0, 2.0, 3.0]], np.float32)
+  grad = {"t": sparse.BCOO((jnp.asarray(vals), jnp.asarray([[2]], jnp.int32)), shape=(4, 8))}
+  runs = {}
+  for path in (choice.GENERIC_KERNELS, choice.GENERIC_XLA):
+    params = {"t": jnp.zeros((4, 8), jnp.float32)}
+    with choice.choose(forced=path):
+      runs[path] = opt.update(grad, opt.init(params), params)[0]
+  _assert_same_bits(runs[choice.GENERIC_KERNELS], runs[choice.GENERIC_XLA])

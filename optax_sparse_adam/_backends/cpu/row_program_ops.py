@@ -350,6 +350,22 @@ class _Compiler:
     elif any(k not in (UNIFORM, kind) for k in in_kinds):
       raise Refused(f"{name} of shapes {[tuple(v.aval.shape) for v in eqn.invars]}")
     float_op = all(d == _F32 for d in in_dtypes) and out_dtype in (_F32, _BOOL)
+    minus_one = [
+      r for r in ins if r in self.value and np.float32(self.value[r]).view(np.uint32) == 0xBF800000
+    ]
+    if (
+      name == "mul"
+      and float_op
+      and self.jit
+      and minus_one
+      and not all(r in self.value for r in ins)
+    ):
+      # Under jit LLVM may turn a product by -1 into a negation (a NaN's sign flipped), and
+      # fold that into the op that uses it; op by op it stays a product.
+      raise Refused(
+        "a negation (a product by -1) of a value known only when the step runs (under jit "
+        "LLVM may fold it into the op that uses it, which can change a NaN's sign)"
+      )
     if name in _BINARY and float_op:
       products = [r for r in ins if r in self.product] if jit_sums(self) else []
       if name in ("add", "sub") and (
