@@ -218,10 +218,6 @@ class _Compiler:
       self.value[r] = np.float32(value)
     return r
 
-  def shape_kind(self, aval: Any) -> bool:
-    """Whether a value of `aval` is uniform (a scalar); refuses a shape of no kind."""
-    return self.kind(aval) == UNIFORM
-
   def kind(self, aval: Any) -> str:
     """`UNIFORM`, `PER_ROW` or `ROW` (the row's values, in any shape `(n, ...)` of the row's
     size: a reshape keeps the row-major order); refuses a shape that is none of them."""
