@@ -325,11 +325,13 @@ class _Compiler:
     (out,) = eqn.outvars if len(eqn.outvars) == 1 else (None,)
     if out is None:
       raise Refused(f"{name} with {len(eqn.outvars)} outputs")
-    if name in _REDUCTIONS:
+    if name == "reduce_sum":
       raise Refused(
-        f"the primitive {name!r} (XLA's own order of a reduction over a row: use "
+        "the primitive 'reduce_sum' (jnp.sum or jnp.mean: XLA's own order of a sum; use "
         "osa.row_sum, the row program's fixed-order row sum, for the fast path)"
       )
+    if name in _REDUCTIONS:
+      raise Refused(f"the primitive {name!r} (a reduction the row program does not run)")
     kind = self.kind(out.aval)
     uniform = kind == UNIFORM
     out_dtype = jnp.dtype(out.aval.dtype)
