@@ -10,9 +10,11 @@ values from a gradient with B ids, Zipf-drawn (popular rows repeat) and uniform:
   and with the generic kernels every rule runs (the rows coalesced and gathered,
   the rule's math as XLA ops, the rows stored in place): a fused kernel earns its
   code only where it beats the generic kernels;
-- plain `sparse_sgd`, `sparse_ftrl` and a rule defined here, outside the package
-  (the architecture page's row-wise Adagrad), which have no kernel of their own:
-  the generic kernels, and the XLA ops for reference;
+- plain `sparse_sgd`, `sparse_ftrl` and a rule defined outside the package
+  (the architecture page's row-wise Adagrad, `_user_rule.py`: with `osa.row_sum`,
+  on the row program, and with `jnp.mean`, on the generic kernels around its XLA
+  math), which have no kernel of their own: the generic kernels (the row program
+  where it applies), and the XLA ops for reference;
 - `sparse_adam` and `sparse_ftrl` on bfloat16 and float16 tables (the gradient
   in the table's dtype), beside the float32 table in the same run;
 - `sparse_adam` (float32 moments) and `sparse_rowwise_adagrad` on 16-bit tables
@@ -42,7 +44,7 @@ from jax.experimental import sparse
 
 import optax_sparse_adam as osa
 from benchmarks import _common as c
-from benchmarks._user_rule import UserHyper, UserRowwiseAdagrad
+from benchmarks._user_rule import UserHyper, UserMeanRowwiseAdagrad, UserRowwiseAdagrad
 from benchmarks.bench_options import OPTIONS, _Stepper, _summary, _times
 from optax_sparse_adam._backends import choice
 
@@ -57,6 +59,10 @@ NO_KERNEL = [
   (
     "user rule (architecture page)",
     osa.sparse_rule_transformation(UserRowwiseAdagrad(), UserHyper(1e-2)),
+  ),
+  (  # the same rule summing with jnp.mean: the generic kernels around its XLA math
+    "user rule with jnp.mean",
+    osa.sparse_rule_transformation(UserMeanRowwiseAdagrad(), UserHyper(1e-2)),
   ),
 ]
 # Steps on 16-bit tables, beside the float32 table (kernels on).

@@ -31,6 +31,7 @@ from optax_sparse_adam._core.row_rules.rowwise_adagrad import (
 )
 from optax_sparse_adam._core.row_rules.sgd import SGDHyperparams as SGDHyperparams
 from optax_sparse_adam._core.row_rules.sgd import SGDRule as SGDRule
+from optax_sparse_adam._core.row_sum import row_sum as row_sum
 from optax_sparse_adam._core.row_update import DensifyingUpdateWarning as DensifyingUpdateWarning
 from optax_sparse_adam._core.row_update import RowUpdate as RowUpdate
 from optax_sparse_adam._core.rules import CatchUp as CatchUp
@@ -130,6 +131,7 @@ __all__ = (
   "pad_ids",
   "routing_stats",
   "row_program_report",
+  "row_sum",
   "rows_delta",
   "sharded_lookup",
   "sharded_routing",

@@ -85,7 +85,7 @@ class UserExpRule:
     return (osa.Slot("scale", init=1.0),)
 
   def update(self, block, hyper):
-    s = block.slots["scale"] * jnp.exp(jnp.abs(block.grad) * -1.0)
+    s = block.slots["scale"] * jnp.exp(jnp.abs(block.grad) * -0.5)
     return -hyper.learning_rate * s * block.grad, {"scale": s}
 
 

@@ -94,5 +94,8 @@ def test_no_table_sized_temporary_or_copy_in_the_donated_step(name, dtype):
     # Adam's own kernel (a gradient of the table's dtype); a 16-bit table's apply in place.
     if dtype != jnp.float32:
       assert "optax_sparse_adam_add_rows_in_place" in hlo
+  elif name == "user_rule" and dtype == jnp.float32:
+    # Its row sum is `osa.row_sum`: a float32 table runs the row program (rows in place).
+    assert "optax_sparse_adam_row_program" in hlo
   else:
     assert "optax_sparse_adam_store_rows" in hlo  # the generic kernel stores the rows

@@ -13,7 +13,12 @@
 // rows (the prologue). The new slot rows and the rule's rows (deltas, or new
 // values for a rule that sets rows) are computed straight into the slot tables
 // and the output where no later op reads what they replace, else copied there at
-// the end of the chunk; padding rows are zero.
+// the end of the chunk; padding rows are zero. A program with per-row values (a
+// per-row slot's, whose table holds one value a row, or a row's sum: `osa.row_sum`)
+// runs each row as one chunk, whatever its width: a row's sum (kRowSum, `PairwiseSum`'s
+// order) needs the whole row, and a per-row value is computed and stored once a row.
+// Ops on per-row values run on one lane (flagged kOneLane), in runs of their own; a
+// per-row value enters a row's ops by a broadcast (kBroadcast).
 //
 // Each op is one IEEE float32 operation, as XLA computes it: the kernels are
 // compiled without contraction (every product rounded), and the Python side
@@ -40,8 +45,8 @@ enum OpCode : int32_t {
   kSub = 4,
   kMul = 5,
   kDiv = 6,
-  kMax = 7,      // XLA's: a where a >= b or a is NaN, else b
-  kMin = 8,      // XLA's: a where a <= b or a is NaN, else b
+  kMax = 7,      // XLA's (`MaxMin`): -0 < +0, a NaN a propagated as is, a NaN b signed
+  kMin = 8,      // as the comparison's result
   kNeg = 9,      // the sign bit flipped (NaNs too, as XLA)
   kAbs = 10,     // the sign bit cleared
   kSqrt = 11,
@@ -61,8 +66,12 @@ enum OpCode : int32_t {
   kFma = 25,     // fma(a, b, c): XLA:CPU's contraction of a product into its one sum
   kFms = 26,     // fma(a, b, -c)
   kFnma = 27,    // fma(-a, b, c)
-  kNumOps = 28,
+  kRowSum = 28,  // lane 0 of dst = the pairwise sum of a's lanes (`PairwiseSum`, the whole row)
+  kBroadcast = 29,  // every lane of dst = lane 0 of a (a per-row value over the row)
+  kNumOps = 30,
 };
+// Flags an op on per-row values (`row_program_ops._ONE_LANE`): it runs on lane 0 only.
+constexpr int32_t kOneLane = 256;
 constexpr int64_t kOpWidth = 5;
 constexpr int64_t kHeader = 5;  // num_regs, num_prologue_ops, num_row_ops, out_reg, num_slots
 constexpr int64_t kInputRegs = 2;  // the gradient's and the parameter's rows; then the slots
@@ -83,7 +92,9 @@ int Arity(int32_t code) {
     case kSqrt:
     case kSign:
     case kNot:
-    case kBoolToF32: return 1;
+    case kBoolToF32:
+    case kRowSum:
+    case kBroadcast: return 1;
     case kSelect:
     case kFma:
     case kFms:
@@ -110,18 +121,42 @@ inline __attribute__((always_inline)) void Map(D* __restrict__ d, const S* __res
   for (int64_t j = 0; j < n; ++j) d[j] = f(a[j], b[j]);
 }
 
+// `jnp.maximum` / `jnp.minimum` as XLA:CPU computes them (LLVM's `maximum`/`minimum`, which
+// order -0 below +0 and propagate NaNs; lowered on this machine's x86 as a range op, checked
+// bit for bit in tests/backends/test_row_sum_program.py): a NaN `a` as it is; else the
+// greater (lesser) of the two, `b` where they are equal or `b` is NaN, with the sign bit
+// that the comparison gives, `sign(a) & sign(b)` for the maximum, `sign(a) | sign(b)` for
+// the minimum. Selected by masks on the bits, so that the loop vectorizes.
+template <bool kMaximum>
+inline __attribute__((always_inline)) void MaxMin(LaneU* __restrict__ out,
+                                                  const LaneF* __restrict__ x,
+                                                  const LaneF* __restrict__ y,
+                                                  const LaneU* __restrict__ x_bits,
+                                                  const LaneU* __restrict__ y_bits, int64_t n) {
+  for (int64_t j = 0; j < n; ++j) {
+    const uint32_t xb = x_bits[j], yb = y_bits[j];
+    const uint32_t take_x = 0u - static_cast<uint32_t>(kMaximum ? x[j] > y[j] : x[j] < y[j]);
+    const uint32_t sign = (kMaximum ? (xb & yb) : (xb | yb)) & 0x80000000u;
+    const uint32_t chosen = (((take_x & xb) | (~take_x & yb)) & 0x7FFFFFFFu) | sign;
+    const uint32_t x_nan = 0u - static_cast<uint32_t>((xb & 0x7FFFFFFFu) > 0x7F800000u);
+    out[j] = (x_nan & xb) | (~x_nan & chosen);
+  }
+}
+
 // Lanes a register holds: a chunk of a row (the whole row where it is no wider), small
 // enough that every register of a program stays in L1 while the ops run over it.
 constexpr int64_t kChunk = 64;
 
 // Runs `num_ops` ops over `N` lanes (`N == 0`: over `num_lanes`); `reg[k]` holds register
 // k's lanes. A fixed `N` lets each op's loop be unrolled with no remainder.
+// `scratch` holds `num_lanes` floats for a row's sum.
 template <int64_t N>
 OSA_MULTIVERSIONED_TEMPLATE void RunOps(const Op* ops, int64_t num_ops, uint32_t* const* reg,
-                                        int64_t num_lanes, const uint32_t* scalars) {
+                                        int64_t num_lanes, const uint32_t* scalars,
+                                        float* scratch) {
   const int64_t n = N > 0 ? N : num_lanes;
   for (int64_t i = 0; i < num_ops; ++i) {
-    const Op op = ops[i];
+    const Op op = ops[i];  // (one-lane ops come in runs of their own: `N == 1`)
     LaneU* du = reg[op.dst];
     LaneF* df = reinterpret_cast<LaneF*>(du);
     // kConst's and kScalar's `a` is a value, not a register.
@@ -142,12 +177,25 @@ OSA_MULTIVERSIONED_TEMPLATE void RunOps(const Op* ops, int64_t num_ops, uint32_t
       case kCopy: std::memcpy(du, au, sizeof(uint32_t) * n); break;
       case kAdd: Map(df, af, bf, n, [](float x, float y) { return x + y; }); break;
       case kSub: Map(df, af, bf, n, [](float x, float y) { return x - y; }); break;
-      case kMul: Map(df, af, bf, n, [](float x, float y) { return x * y; }); break;
+      case kMul:
+        // Where both are NaN the first one's (quieted), as x86 and XLA's product give: the
+        // compiler may swap a product's operands, which would give the second's.
+        // (Selected by a mask on the bits, so that the loop vectorizes.)
+        {
+          LaneU* __restrict__ out = du;
+          const LaneF* __restrict__ x = af;
+          const LaneF* __restrict__ y = bf;
+          const LaneU* __restrict__ x_bits = au;
+          for (int64_t j = 0; j < n; ++j) {
+            const uint32_t product = Bits(x[j] * y[j]), xb = x_bits[j];
+            const uint32_t nan = 0u - static_cast<uint32_t>((xb & 0x7FFFFFFFu) > 0x7F800000u);
+            out[j] = (nan & (xb | 0x00400000u)) | (~nan & product);
+          }
+        }
+        break;
       case kDiv: Map(df, af, bf, n, [](float x, float y) { return x / y; }); break;
-      case kMax: Map(df, af, bf, n, [](float x, float y) { return (x >= y || x != x) ? x : y; });
-        break;
-      case kMin: Map(df, af, bf, n, [](float x, float y) { return (x <= y || x != x) ? x : y; });
-        break;
+      case kMax: MaxMin<true>(du, af, bf, au, bu, n); break;
+      case kMin: MaxMin<false>(du, af, bf, au, bu, n); break;
       case kNeg: Map(du, au, n, [](uint32_t x) { return x ^ 0x80000000u; }); break;
       case kAbs: Map(du, au, n, [](uint32_t x) { return x & 0x7FFFFFFFu; }); break;
       case kSqrt: Map(df, af, n, [](float x) { return std::sqrt(x); }); break;
@@ -189,6 +237,16 @@ OSA_MULTIVERSIONED_TEMPLATE void RunOps(const Op* ops, int64_t num_ops, uint32_t
         for (int64_t j = 0; j < n; ++j) out[j] = std::fma(sign_x * x[j], y[j], sign_z * z[j]);
         break;
       }
+      case kRowSum: {
+        std::memcpy(scratch, af, sizeof(float) * n);
+        df[0] = PairwiseSum(scratch, n);
+        break;
+      }
+      case kBroadcast: {
+        const uint32_t v = au[0];
+        for (int64_t j = 0; j < n; ++j) du[j] = v;
+        break;
+      }
       default: break;  // checked before the rows run
     }
   }
@@ -202,6 +260,15 @@ struct Program {
   const Op* row_ops;
   std::vector<char> uniform;  // whether a register is written by the prologue
   std::vector<char> read;     // whether a register is read by an op
+  std::vector<char> one_lane_write;  // whether a register is written only on lane 0
+  // The row ops in runs of one-lane ops and of row-wide ops (the flag stripped).
+  std::vector<Op> ops;
+  struct Run {
+    int64_t begin, end;
+    bool one_lane;
+  };
+  std::vector<Run> runs;
+  bool per_row = false;  // a per-row value or row sum: each row runs as one chunk
 };
 
 ffi::Error ReadProgram(ffi::Span<const int32_t> code, int64_t num_slots, int64_t num_scalars,
@@ -221,15 +288,28 @@ ffi::Error ReadProgram(ffi::Span<const int32_t> code, int64_t num_slots, int64_t
   }
   p.slot_regs = c + kHeader;
   p.prologue = reinterpret_cast<const Op*>(c + kHeader + num_slots);
-  p.row_ops = p.prologue + p.num_prologue;
   p.uniform.assign(p.num_regs, 0);
   p.read.assign(p.num_regs, 0);
   const auto valid = [&](int64_t r) { return r >= 0 && r < p.num_regs; };
+  p.one_lane_write.assign(p.num_regs, 1);
+  p.ops.assign(p.prologue, p.prologue + p.num_prologue + p.num_row_ops);
   for (int64_t i = 0; i < p.num_prologue + p.num_row_ops; ++i) {
-    const Op& op = p.prologue[i];
+    Op& op = p.ops[i];
+    const bool one_lane = (op.code & kOneLane) != 0;
+    if (one_lane && i < p.num_prologue) {
+      return ffi::Error::InvalidArgument("the program has a one-lane op in its prologue");
+    }
+    op.code &= ~kOneLane;
+    if (i >= p.num_prologue) {
+      const int64_t k = i - p.num_prologue;
+      if (p.runs.empty() || p.runs.back().one_lane != one_lane) p.runs.push_back({k, k, one_lane});
+      p.runs.back().end = k + 1;
+      p.per_row = p.per_row || one_lane || op.code == kRowSum || op.code == kBroadcast;
+    }
     if (op.code < 0 || op.code >= kNumOps || !valid(op.dst) || op.dst < kInputRegs + num_slots) {
       return ffi::Error::InvalidArgument("the program has an unknown op or register");
     }
+    if (i >= p.num_prologue && !one_lane && op.code != kRowSum) p.one_lane_write[op.dst] = 0;
     const bool reads_a = op.code != kConst && op.code != kScalar;
     if ((reads_a && !valid(op.a)) || !valid(op.b) || !valid(op.c) ||
         (op.code == kScalar && (op.a < 0 || op.a >= num_scalars))) {
@@ -239,6 +319,8 @@ ffi::Error ReadProgram(ffi::Span<const int32_t> code, int64_t num_slots, int64_t
     if (reads_a) p.read[op.a] = 1;  // b and c too (an op that does not read them names 0)
     p.read[op.b] = p.read[op.c] = 1;
   }
+  p.prologue = p.ops.data();
+  p.row_ops = p.ops.data() + p.num_prologue;
   if (!valid(p.out_reg)) return ffi::Error::InvalidArgument("the program's output is unknown");
   for (int64_t k = 0; k < num_slots; ++k) {
     if (!valid(p.slot_regs[k])) return ffi::Error::InvalidArgument("a slot's output is unknown");
@@ -248,17 +330,18 @@ ffi::Error ReadProgram(ffi::Span<const int32_t> code, int64_t num_slots, int64_t
 
 // Inputs: rows s32 (nse,), values (f32, bf16 or f16, (nse, ...)), param f32 (its own
 // shape; empty where the rule does not read it), scalars u32 (the program's scalars'
-// bits), then each slot table (f32, the parameter's shape). Attributes: num_rows, program.
+// bits), then each slot table (f32, the parameter's shape, or (num_rows,) for a
+// per-row slot). Attributes: num_rows, program.
 // Outputs: the distinct rows then padding, the rows' results (f32), each slot table
 // (aliased to its input).
 //
 // One pass over the distinct rows (the table rows they touch prefetched): a row's
 // gradient entries summed into the output, then the program run over the row in chunks
-// of kChunk columns. A chunk's input registers are the rows where they lie (the summed
-// gradient in the output, the parameter's and each slot's row in their tables: nothing
-// is staged); its other registers are thread-local and stay in L1; at the chunk's end
-// the new slot values are written into the slot tables and the rule's values over the
-// gradient's sums.
+// of kChunk columns (the whole row with per-row values). A chunk's input registers are
+// the rows where they lie (the summed gradient in the output, the parameter's and each
+// slot's row in their tables: nothing is staged); its other registers are thread-local
+// and stay in L1; at the chunk's end the new slot values are written into the slot
+// tables and the rule's values over the gradient's sums.
 ffi::Error RowProgramImpl(ffi::Buffer<ffi::S32> rows, ffi::AnyBuffer values,
                           ffi::Buffer<ffi::F32> param, ffi::Buffer<ffi::U32> scalars,
                           ffi::RemainingArgs slots, int64_t num_rows,
@@ -282,16 +365,23 @@ ffi::Error RowProgramImpl(ffi::Buffer<ffi::S32> rows, ffi::AnyBuffer values,
     return ffi::Error::InvalidArgument("param must hold num_rows rows of the values' size");
   }
   std::vector<float*> tables;  // the parameter (read only), then each slot (updated)
+  std::vector<int64_t> table_row_size;  // row_size, or 1 for a per-row slot
   tables.push_back(has_param ? const_cast<float*>(param.typed_data()) : nullptr);
+  table_row_size.push_back(row_size);
   for (int64_t k = 0; k < num_slots; ++k) {
     auto in = slots.get<ffi::AnyBuffer>(k);
     auto result = slots_out.get<ffi::AnyBuffer>(k);
+    const int64_t count = in.has_value() ? static_cast<int64_t>(in->element_count()) : -1;
     if (!in.has_value() || !result.has_value() || in->element_type() != ffi::DataType::F32 ||
-        static_cast<int64_t>(in->element_count()) != num_rows * row_size) {
-      return ffi::Error::InvalidArgument("each slot must be a float32 table of the param's rows");
+        (count != num_rows * row_size && count != num_rows)) {
+      return ffi::Error::InvalidArgument(
+          "each slot must be a float32 table of the param's rows, or of one value a row");
     }
     CopyIfNotAliased(*in, *result);  // without donation XLA gives a fresh output buffer
     tables.push_back(static_cast<float*>((*result)->untyped_data()));
+    table_row_size.push_back(count == num_rows * row_size ? row_size : 1);
+    // A per-row slot's values are per-row registers: each row runs as one chunk.
+    p.per_row = p.per_row || table_row_size.back() != row_size;
   }
   if (!has_param && p.read[kInputRegs - 1]) {
     return ffi::Error::InvalidArgument("the program reads the parameter's rows: give param");
@@ -307,11 +397,14 @@ ffi::Error RowProgramImpl(ffi::Buffer<ffi::S32> rows, ffi::AnyBuffer values,
   // output is written; one whose value is its own input register is not written.
   struct Output {
     int64_t src, dst;  // registers: the value, the input register it replaces
+    bool one_lane;     // a per-row slot's value
   };
   std::vector<Output> outputs;
   const int64_t num_inputs = kInputRegs + num_slots;
-  for (int64_t k = 0; k < num_slots; ++k) outputs.push_back({p.slot_regs[k], kInputRegs + k});
-  outputs.push_back({p.out_reg, 0});
+  for (int64_t k = 0; k < num_slots; ++k) {
+    outputs.push_back({p.slot_regs[k], kInputRegs + k, table_row_size[1 + k] != row_size});
+  }
+  outputs.push_back({p.out_reg, 0, false});
   std::vector<Output> writes, staged;  // staged: src an input register, copied aside first
   for (const Output& o : outputs) {
     if (o.src == o.dst) continue;
@@ -322,7 +415,8 @@ ffi::Error RowProgramImpl(ffi::Buffer<ffi::S32> rows, ffi::AnyBuffer values,
   // register is the destination's lanes, and nothing is copied.
   std::vector<Output> in_place, copied;
   for (const Output& o : writes) {
-    bool ok = !p.uniform[o.src];
+    // A per-row slot's lane lies in its table: only ops on lane 0 may write it there.
+    bool ok = !p.uniform[o.src] && (!o.one_lane || p.one_lane_write[o.src]);
     for (const Output& other : outputs) ok = ok && (&other == &o || other.src != o.src);
     for (const Output& other : staged) ok = ok && other.src != o.dst;
     int64_t first_write = -1, last_read = -1;
@@ -339,11 +433,19 @@ ffi::Error RowProgramImpl(ffi::Buffer<ffi::S32> rows, ffi::AnyBuffer values,
     ok = ok && first_write >= 0 && last_read <= first_write;
     (ok ? in_place : copied).push_back(o);
   }
+  // Lanes of a register: a chunk of kChunk columns, or the whole row where the program has
+  // per-row values (a row's sum needs the whole row, and a per-row value is computed, and
+  // its slot written, once a row).
+  const int64_t width = p.per_row ? std::max<int64_t>(row_size, 1) : kChunk;
+  const int64_t uniform_width = std::max(width, kChunk);
   // The prologue: every row's uniform values, once, chunk-wide.
-  std::vector<uint32_t> uniform_lanes(p.num_regs * kChunk);
+  std::vector<uint32_t> uniform_lanes(p.num_regs * uniform_width);
   std::vector<uint32_t*> uniform_reg(p.num_regs);
-  for (int64_t r = 0; r < p.num_regs; ++r) uniform_reg[r] = uniform_lanes.data() + r * kChunk;
-  RunOps<kChunk>(p.prologue, p.num_prologue, uniform_reg.data(), kChunk, scalars.typed_data());
+  for (int64_t r = 0; r < p.num_regs; ++r) {
+    uniform_reg[r] = uniform_lanes.data() + r * uniform_width;
+  }
+  RunOps<0>(p.prologue, p.num_prologue, uniform_reg.data(), uniform_width, scalars.typed_data(),
+            nullptr);
 
   float* g = out->typed_data();
   int32_t* unique_rows = distinct_rows->typed_data();
@@ -363,18 +465,21 @@ ffi::Error RowProgramImpl(ffi::Buffer<ffi::S32> rows, ffi::AnyBuffer values,
       // one aside per staged output.
       thread_local std::vector<uint32_t> local;
       thread_local std::vector<uint32_t*> reg;
-      local.resize((p.num_regs + staged.size()) * kChunk);
+      thread_local std::vector<float> scratch;  // a row's sum
+      local.resize((p.num_regs + staged.size()) * width);
       reg.resize(p.num_regs);
+      scratch.resize(width);
       for (int64_t r = num_inputs; r < p.num_regs; ++r) {
-        reg[r] = p.uniform[r] ? uniform_reg[r] : local.data() + r * kChunk;
+        reg[r] = p.uniform[r] ? uniform_reg[r] : local.data() + r * width;
       }
-      uint32_t* aside = local.data() + p.num_regs * kChunk;
+      uint32_t* aside = local.data() + p.num_regs * width;
       for (int64_t s = begin; s < end; ++s) {
         if (s + kPrefetchRows < end) {
           const int64_t ahead = s + kPrefetchRows;
           const int64_t row = sorted_rows[starts[ahead]];
           for (size_t k = 0; k < tables.size(); ++k) {
-            if (prefetched[k]) PrefetchRow(tables[k] + row * row_size, row_size);
+            const int64_t size = table_row_size[k];
+            if (prefetched[k]) PrefetchRow(tables[k] + row * size, size);
           }
           PrefetchEntries(vals, position.data(), starts[ahead], starts[ahead + 1], row_size);
         }
@@ -382,28 +487,38 @@ ffi::Error RowProgramImpl(ffi::Buffer<ffi::S32> rows, ffi::AnyBuffer values,
         unique_rows[s] = static_cast<int32_t>(row);
         float* sums = g + s * row_size;
         SumEntries(sums, vals, position.data(), starts[s], starts[s + 1], row_size);
-        for (int64_t j = 0; j < row_size; j += kChunk) {
-          const int64_t n = std::min(kChunk, row_size - j);
+        for (int64_t j = 0; j < row_size; j += width) {
+          const int64_t n = std::min(width, row_size - j);
           reg[0] = reinterpret_cast<uint32_t*>(sums + j);
           for (size_t k = 0; k < tables.size(); ++k) {  // the parameter (or none), each slot
+            const int64_t size = table_row_size[k];  // (a per-row slot: j is 0)
             reg[1 + k] = tables[k] == nullptr
                              ? nullptr
-                             : reinterpret_cast<uint32_t*>(tables[k] + row * row_size + j);
+                             : reinterpret_cast<uint32_t*>(tables[k] + row * size + j);
           }
           for (const Output& o : in_place) reg[o.src] = reg[o.dst];
-          if (n == kChunk) {
-            RunOps<kChunk>(p.row_ops, p.num_row_ops, reg.data(), n, scalars.typed_data());
-          } else {
-            RunOps<0>(p.row_ops, p.num_row_ops, reg.data(), n, scalars.typed_data());
+          const uint32_t* s = scalars.typed_data();
+          for (const Program::Run& run : p.runs) {
+            const Op* ops = p.row_ops + run.begin;
+            const int64_t count = run.end - run.begin;
+            if (run.one_lane) {
+              RunOps<1>(ops, count, reg.data(), 1, s, scratch.data());
+            } else if (n == kChunk) {
+              RunOps<kChunk>(ops, count, reg.data(), n, s, scratch.data());
+            } else {
+              RunOps<0>(ops, count, reg.data(), n, s, scratch.data());
+            }
           }
           for (size_t o = 0; o < staged.size(); ++o) {
-            std::memcpy(aside + o * kChunk, reg[staged[o].src], sizeof(uint32_t) * n);
+            const int64_t lanes = staged[o].one_lane ? 1 : n;
+            std::memcpy(aside + o * width, reg[staged[o].src], sizeof(uint32_t) * lanes);
           }
           for (size_t o = 0; o < staged.size(); ++o) {
-            std::memcpy(reg[staged[o].dst], aside + o * kChunk, sizeof(uint32_t) * n);
+            const int64_t lanes = staged[o].one_lane ? 1 : n;
+            std::memcpy(reg[staged[o].dst], aside + o * width, sizeof(uint32_t) * lanes);
           }
           for (const Output& o : copied) {
-            std::memcpy(reg[o.dst], reg[o.src], sizeof(uint32_t) * n);
+            std::memcpy(reg[o.dst], reg[o.src], sizeof(uint32_t) * (o.one_lane ? 1 : n));
           }
         }
       }

@@ -10,7 +10,9 @@ vectors, in the pass that coalesces the ids, sums duplicates, reads the slot
 and parameter rows and stores the new ones in place. The kernel knows only
 primitives (add, sub, mul, div, neg, sqrt, abs, sign, max, min, comparisons,
 select, the bit XOR of `adam.rounded`, no-op conversions and broadcasts of
-scalars): no per-rule C++.
+scalars), per-row values (one lane a row: a per-row slot's, broadcast over the
+row by one op) and `osa.row_sum` (one op: the row's pairwise sum): no per-rule
+C++.
 
 Numerics: each op is one IEEE operation of float32, as XLA computes it (the
 kernel is compiled without contraction), and the compiler does what XLA does
@@ -18,13 +20,15 @@ to the same math (`row_program_ops`: a division by a constant is a product by
 its inverse; under jit such a product used by one sum is one FMA), so the
 program's rows equal the XLA ops' bit for bit. Where XLA's result depends on
 its fusions the program refuses the rule: a product of the rule's own summed
-unrounded (`adam.rounded` pins it), and any primitive it does not know (`pow`,
-`exp`, reductions) on row values. An equation of uniform values alone that the
-kernel does not know (the step count's int->float conversion or comparison,
-`pow` of hyper-parameters) is hoisted: computed by XLA before the kernel, by the
-same primitive, and read by the kernel as one more scalar. A refused rule keeps
-the generic path (the rows gathered, the math in XLA ops, the rows stored), and
-`refusal` says why (`osa.row_program_report`).
+unrounded, or into `osa.row_sum` (`adam.rounded`, `row_sum`'s `opaque_zero`,
+pins it), and any primitive it does not know (`pow`, `exp`, `jnp.sum`'s
+`reduce_sum`, whose order XLA does not fix) on row values. An equation of
+uniform values alone that the kernel does not know (the step count's
+int->float conversion or comparison, `pow` of hyper-parameters) is hoisted:
+computed by XLA before the kernel, by the same primitive, and read by the
+kernel as one more scalar. A refused rule keeps the generic path (the rows
+gathered, the math in XLA ops, the rows stored), and `refusal` says why
+(`osa.row_program_report`).
 """
 
 from __future__ import annotations
@@ -100,25 +104,34 @@ def _program(
     return (out, *(jnp.asarray(new_rows[s.name]) for s in rule.slots()))
 
   block = jax.ShapeDtypeStruct(row_shape, jnp.float32)
+  per_row = jax.ShapeDtypeStruct(row_shape[:1], jnp.float32)  # a per-row slot's values
   scalar = jax.ShapeDtypeStruct((), jnp.float32)
+  slot_avals = [per_row if slot.per_row else block for slot in rule.slots()]
   args = (
     block,
     block,
-    [block] * num_slots,
+    slot_avals,
     [scalar] * len(scalar_positions),
     jax.ShapeDtypeStruct((), jnp.int32),
     None if step_aval is None else jax.ShapeDtypeStruct((), step_aval),
   )
   jaxpr = jax.make_jaxpr(row_math)(*args)
-  for var in jaxpr.jaxpr.outvars:
-    if not isinstance(var, jex_core.Literal) and tuple(var.aval.shape) not in (row_shape, ()):
+  expected = [block, *slot_avals]
+  for var, aval in zip(jaxpr.jaxpr.outvars, expected, strict=True):
+    if not isinstance(var, jex_core.Literal) and tuple(var.aval.shape) not in (aval.shape, ()):
       return _Traced(None, f"the update returns a value of shape {var.aval.shape}")
     if jnp.dtype(var.aval.dtype) != _F32:
       return _Traced(None, f"the update returns {var.aval.dtype} rows")
   try:
     return _Traced(
       row_program_ops.compile_jaxpr(
-        jaxpr, row_shape, num_slots, num_scalars, jit, zero_scalar=len(scalar_positions)
+        jaxpr,
+        row_shape,
+        num_slots,
+        num_scalars,
+        jit,
+        zero_scalar=len(scalar_positions),
+        per_row_slots=[slot.per_row for slot in rule.slots()],
       ),
       None,
     )
@@ -172,8 +185,6 @@ def refusal(inputs: StepInputs, plan: StepPlan, *, jit: bool = True) -> str | No
     return "the pipeline's weight decay or max_norm"
   if config.param_rounding != "nearest" or jnp.dtype(config.compute_dtype) != _F32:
     return "a step that is not float32 rounded to nearest"
-  if any(slot.per_row for slot in rule.slots()):
-    return "a per-row slot"
   arrays = [*tables.slots.values()]
   if reads_param(rule) or sets_rows(rule):
     if tables.param is None:
@@ -255,8 +266,10 @@ def report(rule: Any, hyper: Any, *, dense_shape: Sequence[int], maximize: bool 
   A rule without a fused kernel of its own runs its CPU step on the row program
   (one generic kernel that runs the rule's traced math on each coalesced row,
   reading and storing its rows in place) where its `update` is elementwise over
-  float32 rows; otherwise on the generic kernels around its math in XLA ops
-  (slower: the rows are gathered into blocks and stored back). This traces the
+  float32 rows, per-row values (per-row slots) and row sums by `osa.row_sum`;
+  otherwise on the generic kernels around its math in XLA ops (the rows are
+  gathered into blocks and stored back). A sum by `jnp.sum` or `jnp.mean` keeps
+  a rule there: the report says to use `osa.row_sum`. This traces the
   rule's update as a jitted step traces it, for float32 tables with rows of
   `dense_shape` and no weight decay or `max_norm`.
 
@@ -277,8 +290,6 @@ def report(rule: Any, hyper: Any, *, dense_shape: Sequence[int], maximize: bool 
     "the 'ftrl' rule runs the row program (17 ops)"
   """
   row_shape = (1, *dense_shape)
-  if any(slot.per_row for slot in rule.slots()):
-    return f"the {rule.name!r} rule runs the generic path: a per-row slot"
   key = _hyper_key(hyper)
   if isinstance(key, str):
     return f"the {rule.name!r} rule runs the generic path: {key}"

@@ -10,10 +10,15 @@ FMA). An equation of uniform values alone that the kernel does not know
 (`pow`, `exp`, an int->float conversion, an integer comparison, a sum of a
 product of scalars, ...) is hoisted: XLA computes it before the kernel, from
 the same scalars and by the same primitive, and the kernel reads it as one
-more scalar (`Program.hoisted`, `hoisted_scalars`). It refuses (`Refused`) any
-primitive the kernel does not know on row values and any product of the
-rule's own summed unrounded into a row (whether XLA contracts it depends on
-its fusions). Dead ops are dropped and row registers reused.
+more scalar (`Program.hoisted`, `hoisted_scalars`). Values of one per row
+(`(n,)`, `(n, 1)`: a per-row slot's, a row's sum) are per-row registers, whose
+ops run on one lane; a broadcast over the row is one op, and `osa.row_sum`
+(its `jax.jit`, named `ROW_SUM_NAME`) is one reduction op. It refuses
+(`Refused`) any primitive the kernel does not know on row values
+(`reduce_sum`: use `osa.row_sum`) and any product of the rule's own summed
+unrounded into a row or into a row sum (whether XLA contracts it depends on
+its fusions). Dead ops are dropped and row registers reused (an output's
+register is its own).
 """
 
 from __future__ import annotations
@@ -25,6 +30,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jex_core
 
+from optax_sparse_adam._core.row_sum import ROW_SUM_NAME
+
 # Op codes: `OpCode` in row_program.cc (each op is 5 ints: code, dst, a, b, c).
 _CONST, _SCALAR, _COPY = 0, 1, 2
 _BINARY = {"add": 3, "sub": 4, "mul": 5, "div": 6, "max": 7, "min": 8}
@@ -35,6 +42,11 @@ _SELECT, _NOT, _BOOL_TO_F32 = 22, 23, 24
 # Fused multiply-adds, as XLA:CPU contracts a product into its one sum under jit:
 # a * b + c, a * b - c, c - a * b (each rounded once).
 _FMA, _FMS, _FNMA = 25, 26, 27
+# A per-row value: a row's sum (`osa.row_sum`: lane 0 of dst = the pairwise sum of a's
+# lanes), and a per-row value broadcast over the row (every lane of dst = lane 0 of a).
+_ROW_SUM, _BROADCAST = 28, 29
+# Flags an op on per-row values: run on one lane (the kernel strips it from the code).
+_ONE_LANE = 256
 OP_WIDTH = 5
 # Header: num_regs, num_prologue_ops, num_row_ops, out_reg, num_slots, then each slot's reg.
 _INPUT_REGS = 2  # 0: the row's summed gradient, 1: the parameter's row; then each slot's row
@@ -42,6 +54,10 @@ _INPUT_REGS = 2  # 0: the row's summed gradient, 1: the parameter's row; then ea
 _F32, _I32, _U32, _BOOL = (jnp.dtype(t) for t in (jnp.float32, jnp.int32, jnp.uint32, jnp.bool_))
 # Primitives that pass their operand's bits through (a no-op on 32-bit lanes).
 _PASS = ("copy", "copy_p", "optimization_barrier")
+# A value's kind: the same in every lane (a scalar), one value a row (`(n,)`, `(n, 1)`),
+# or a row's values (the block's shape, or the row flattened).
+UNIFORM, PER_ROW, ROW = "uniform", "per_row", "row"
+_REDUCTIONS = ("reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or")
 
 
 class Recipe(NamedTuple):
@@ -104,8 +120,13 @@ class _Compiler:
     self.sums: list[tuple[int, int]] = []  # (a sum's register, its product operand)
     self.inverse: set[int] = set()  # products by a constant's inverse (XLA's divisions)
     self.recipe: dict[int, Recipe] = {}  # how XLA computes each uniform register
+    # ... and each uniform variable: a conversion that keeps the bits shares its operand's
+    # register, not its recipe (a bitcast to int32 is bound as one, before an XOR).
+    self.var_recipe: dict[Any, Recipe] = {}
     self.hoisted: list[Recipe] = []  # uniform values XLA computes before the kernel
     self.first_hoisted = 0  # the scalar index of the first hoisted value
+    self.per_row: set[int] = set()  # registers of one value a row (lane 0)
+    self.out_kind = ROW  # the kind of the equation being translated (`emit`'s registers)
 
   def row_ops_or_prologue(self, dst: int) -> list[int]:
     """The op that writes register `dst`."""
@@ -118,11 +139,7 @@ class _Compiler:
     """Each sum of a product used by nothing else, as one FMA (XLA:CPU's contraction)."""
     uses: dict[int, int] = {}
     for op in (*self.prologue, *self.row_ops):
-      code = op[0]
-      read = [] if code in (_CONST, _SCALAR) else [op[2], op[3], op[4]]
-      arity = 1 if code in (_COPY, *_UNARY.values(), _NOT, _BOOL_TO_F32) else 2
-      arity = 3 if code in (_SELECT, _FMA, _FMS, _FNMA) else arity
-      for r in read[:arity]:
+      for r in _reads(op):
         uses[r] = uses.get(r, 0) + 1
     for r in outs:
       uses[r] = uses.get(r, 0) + 1
@@ -141,14 +158,18 @@ class _Compiler:
         op[:] = [_FNMA, dst, x, y, op[2]]
       self.value.pop(dst, None)
 
-  def new(self, uniform: bool) -> int:
+  def new(self, uniform: bool, per_row: bool = False) -> int:
     r = self.num_regs
     self.num_regs += 1
     self.uniform[r] = uniform
+    if per_row and not uniform:
+      self.per_row.add(r)
     return r
 
-  def emit(self, code: int, uniform: bool, *args: int) -> int:
-    dst = self.new(uniform)
+  def emit(self, code: int, uniform: bool, *args: int, per_row: bool | None = None) -> int:
+    """A new register written by op `code` on `args`: per-row where `per_row` says so
+    (None: where the equation being translated gives a per-row value)."""
+    dst = self.new(uniform, self.out_kind == PER_ROW if per_row is None else per_row)
     op = [code, dst, *args, *(0,) * (OP_WIDTH - 2 - len(args))]
     (self.prologue if uniform else self.row_ops).append(op)
     return dst
@@ -197,13 +218,48 @@ class _Compiler:
       self.value[r] = np.float32(value)
     return r
 
-  def shape_kind(self, aval: Any) -> bool:
-    """Whether a value of `aval` is uniform (a scalar); refuses a shape that is neither."""
-    if aval.shape == ():
-      return True
-    if tuple(aval.shape) == self.row_shape:
-      return False
-    raise Refused(f"a value of shape {tuple(aval.shape)} (a block is {self.row_shape})")
+  def kind(self, aval: Any) -> str:
+    """`UNIFORM`, `PER_ROW` or `ROW` (the row's values, in any shape `(n, ...)` of the row's
+    size: a reshape keeps the row-major order); refuses a shape that is none of them."""
+    shape = tuple(aval.shape)
+    if shape == ():
+      return UNIFORM
+    n, row_size = self.row_shape[0], int(np.prod(self.row_shape[1:], dtype=np.int64))
+    if shape[0] == n and int(np.prod(shape[1:], dtype=np.int64)) == row_size:
+      return ROW  # a row of one value is a per-row value too: one lane either way
+    if shape[0] == n and int(np.prod(shape[1:], dtype=np.int64)) == 1:
+      return PER_ROW
+    raise Refused(f"a value of shape {shape} (a block is {self.row_shape})")
+
+  def broadcast(self, r: int) -> int:
+    """Per-row register `r` broadcast over the row: an unrounded product stays one (XLA may
+    contract it, broadcast, into a sum; the sum then refuses it)."""
+    if r not in self.per_row:
+      return r  # uniform: every lane holds it already
+    dst = self.emit(_BROADCAST, False, r, per_row=False)
+    if r in self.product:
+      self.product.add(dst)
+    return dst
+
+  def row_sum(self, eqn: Any) -> None:
+    """`osa.row_sum`: one reduction op over the whole row (`PairwiseSum`'s order)."""
+    (x,) = eqn.invars
+    (out,) = eqn.outvars
+    if self.kind(x.aval) != ROW or self.kind(out.aval) != (
+      ROW if self.row_shape[1:] and np.prod(self.row_shape[1:]) == 1 else PER_ROW
+    ):
+      raise Refused(f"osa.row_sum of shape {tuple(x.aval.shape)} (a block is {self.row_shape})")
+    a = self.read(x)
+    if int(np.prod(self.row_shape[1:], dtype=np.int64)) == 1:
+      self.reg[out] = a  # one value: the sum is the value itself, as XLA's slice is
+      return
+    if a in self.product and self.jit:
+      raise Refused(
+        "an unrounded product feeds osa.row_sum (under jit XLA may contract it into the "
+        "sum's first adds, depending on its fusions; give row_sum opaque_zero=block.opaque_zero "
+        "to round it where it stands)"
+      )
+    self.reg[out] = self.emit(_ROW_SUM, False, a, per_row=True)
 
   def run(self, jaxpr: Any, regs: Sequence[int]) -> list[int]:
     for var, r in zip(jaxpr.invars, regs, strict=True):
@@ -217,24 +273,39 @@ class _Compiler:
     consts = getattr(closed, "consts", ())
     if consts:
       raise Refused(f"{eqn.primitive.name} closes over arrays")
+    for inner_var, var in zip(inner.invars, eqn.invars, strict=True):
+      if (recipe := self.recipe_of(var)) is not None:
+        self.var_recipe[inner_var] = recipe
     outs = _Compiler.run(self, inner, [self.read(v) for v in eqn.invars])
-    for var, r in zip(eqn.outvars, outs, strict=True):
+    for var, inner_var, r in zip(eqn.outvars, inner.outvars, outs, strict=True):
       self.reg[var] = r
+      if (recipe := self.recipe_of(inner_var)) is not None:
+        self.var_recipe[var] = recipe
+
+  def recipe_of(self, atom: Any) -> Recipe | None:
+    """How XLA computes a uniform variable (or literal), or None."""
+    if isinstance(atom, jex_core.Literal):
+      return self.recipe[self.read(atom)]
+    if atom in self.var_recipe:
+      return self.var_recipe[atom]
+    return self.recipe.get(self.reg[atom])
 
   def equation(self, eqn: Any) -> None:
     name = eqn.primitive.name
     params = eqn.params
+    if name in ("pjit", "jit") and params.get("name") == ROW_SUM_NAME:
+      return self.row_sum(eqn)
     if name in ("pjit", "jit", "closed_call", "core_call", "remat", "checkpoint"):
       return self.inline(params.get("jaxpr") or params["call_jaxpr"], eqn)
     if name in ("custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr"):
       return self.inline(params.get("call_jaxpr") or params["fun_jaxpr"], eqn)
-    ins = [self.read(v) for v in eqn.invars]
     uniform = len(eqn.outvars) == 1 and all(
       np.shape(v.aval) == () for v in (*eqn.invars, *eqn.outvars)
     )
-    if not uniform or any(r not in self.recipe for r in ins):
+    in_recipes = [self.recipe_of(v) for v in eqn.invars] if uniform else []
+    if not uniform or any(r is None for r in in_recipes):
       return self.translate(eqn)
-    recipe = Recipe(eqn.primitive, tuple(params.items()), tuple(self.recipe[r] for r in ins))
+    recipe = Recipe(eqn.primitive, tuple(params.items()), tuple(in_recipes))  # type: ignore[arg-type]
     try:
       self.translate(eqn)
     except Refused:
@@ -244,6 +315,7 @@ class _Compiler:
         raise
       self.reg[eqn.outvars[0]] = self.emit(_SCALAR, True, self.first_hoisted + len(self.hoisted))
       self.hoisted.append(recipe)
+    self.var_recipe[eqn.outvars[0]] = recipe
     self.recipe.setdefault(self.reg[eqn.outvars[0]], recipe)
 
   def translate(self, eqn: Any) -> None:
@@ -253,15 +325,45 @@ class _Compiler:
     (out,) = eqn.outvars if len(eqn.outvars) == 1 else (None,)
     if out is None:
       raise Refused(f"{name} with {len(eqn.outvars)} outputs")
-    uniform = self.shape_kind(out.aval)
+    if name == "reduce_sum":
+      raise Refused(
+        "the primitive 'reduce_sum' (jnp.sum or jnp.mean: XLA's own order of a sum; use "
+        "osa.row_sum, the row program's fixed-order row sum, for the fast path)"
+      )
+    if name in _REDUCTIONS:
+      raise Refused(f"the primitive {name!r} (a reduction the row program does not run)")
+    kind = self.kind(out.aval)
+    uniform = kind == UNIFORM
     out_dtype = jnp.dtype(out.aval.dtype)
     ins = [self.read(v) for v in eqn.invars]
     in_dtypes = [jnp.dtype(v.aval.dtype) for v in eqn.invars]
-    for v in eqn.invars:
-      self.shape_kind(v.aval)
+    in_kinds = [self.kind(v.aval) for v in eqn.invars]
     if out_dtype not in (_F32, _I32, _U32, _BOOL):
       raise Refused(f"{name} gives {out_dtype} (the row program runs 32-bit values)")
+    if name in ("broadcast_in_dim", "reshape", "squeeze", "expand_dims"):
+      return self.reshaped(eqn, ins[0], in_kinds[0], kind)
+    self.out_kind = kind
+    if kind == ROW:  # a per-row operand broadcast by the op (`(n, 1)` with `(n, D)`)
+      ins = [self.broadcast(r) if k == PER_ROW else r for r, k in zip(ins, in_kinds, strict=True)]
+    elif any(k not in (UNIFORM, kind) for k in in_kinds):
+      raise Refused(f"{name} of shapes {[tuple(v.aval.shape) for v in eqn.invars]}")
     float_op = all(d == _F32 for d in in_dtypes) and out_dtype in (_F32, _BOOL)
+    minus_one = [
+      r for r in ins if r in self.value and np.float32(self.value[r]).view(np.uint32) == 0xBF800000
+    ]
+    if (
+      name == "mul"
+      and float_op
+      and self.jit
+      and minus_one
+      and not all(r in self.value for r in ins)
+    ):
+      # Under jit LLVM may turn a product by -1 into a negation (a NaN's sign flipped), and
+      # fold that into the op that uses it; op by op it stays a product.
+      raise Refused(
+        "a negation (a product by -1) of a value known only when the step runs (under jit "
+        "LLVM may fold it into the op that uses it, which can change a NaN's sign)"
+      )
     if name in _BINARY and float_op:
       products = [r for r in ins if r in self.product] if jit_sums(self) else []
       if name in ("add", "sub") and (
@@ -282,7 +384,9 @@ class _Compiler:
     elif name in _UNARY and float_op:
       if name == "neg" and ins[0] in self.product and self.jit:
         raise Refused("a negated unrounded product (XLA may contract it into a sum)")
-      if name == "neg" and ins[0] not in self.value and self.jit:
+      if name == "neg" and ins[0] not in self.value and self.jit and kind != PER_ROW:
+        # (A per-row value's negation is computed once a row, broadcast after it: checked
+        # bit for bit with NaN and inf entries, tests/backends/test_row_sum_program.py.)
         # Under jit LLVM folds a negation into the op that uses it (-x * c -> x * -c,
         # -x + y -> y - x, -x * y -> -(x * y)): the same numbers, but a NaN's sign then
         # depends on XLA's fusions, which the program cannot follow (maximize negates g).
@@ -310,13 +414,28 @@ class _Compiler:
       self.product.add(dst)
     elif name in ("convert_element_type", "bitcast_convert_type", "reduce_precision"):
       dst = self.convert(name, eqn, ins[0], in_dtypes[0], out_dtype, uniform)
-    elif name == "broadcast_in_dim" or name in _PASS:
-      if eqn.invars[0].aval.shape != () and name not in _PASS:
-        if tuple(eqn.invars[0].aval.shape) != tuple(out.aval.shape):
-          raise Refused(f"broadcast_in_dim of shape {eqn.invars[0].aval.shape}")
-      dst = ins[0]  # a scalar's register holds it in every lane: the same register
+    elif name in _PASS:
+      dst = ins[0]
     else:
       raise Refused(f"the primitive {name!r} on {[str(d) for d in in_dtypes]}")
+    self.reg[out] = dst
+
+  def reshaped(self, eqn: Any, a: int, in_kind: str, kind: str) -> None:
+    """A broadcast or reshape: a scalar's register holds it in every lane, a row's lanes
+    keep their order; a per-row value broadcast over the row is one op."""
+    (out,) = eqn.outvars
+    name = eqn.primitive.name
+    if name == "broadcast_in_dim" and in_kind != UNIFORM:
+      if tuple(eqn.params["broadcast_dimensions"])[:1] != (0,):
+        raise Refused("broadcast_in_dim across rows")  # (n,) along the columns, say
+    if in_kind == UNIFORM:
+      dst = a
+    elif in_kind == kind:
+      dst = a  # the same lanes in the same order (a row of one value: `(n,)` to `(n, 1)`)
+    elif in_kind == PER_ROW and kind == ROW and name == "broadcast_in_dim":
+      dst = self.broadcast(a)
+    else:
+      raise Refused(f"{name} from shape {eqn.invars[0].aval.shape} to {out.aval.shape}")
     self.reg[out] = dst
 
   def integer_pow(self, x: int, y: int, uniform: bool) -> int:
@@ -366,11 +485,15 @@ def compile_jaxpr(
   num_scalars: int,
   jit: bool,
   zero_scalar: int,
+  per_row_slots: Sequence[bool] = (),
 ) -> Program:
   """The program of `jaxpr` (of g, param, the slots, then the scalars; to the rows and the
-  slots' new rows), or `Refused`. Scalar `zero_scalar` is the rounding zero."""
+  slots' new rows), or `Refused`. Scalar `zero_scalar` is the rounding zero; a slot of
+  `per_row_slots` holds one value a row."""
   c = _Compiler(row_shape, jit)
-  inputs = [c.new(False) for _ in range(_INPUT_REGS + num_slots)]
+  per_row = [False] * _INPUT_REGS + [bool(p) for p in per_row_slots]
+  per_row += [False] * (_INPUT_REGS + num_slots - len(per_row))
+  inputs = [c.new(False, p) for p in per_row]
   scalars = [c.emit(_SCALAR, True, k) for k in range(num_scalars)]
   c.recipe.update({r: Recipe(None, k) for k, r in enumerate(scalars)})
   c.first_hoisted = num_scalars
@@ -378,10 +501,13 @@ def compile_jaxpr(
   fixed = set(inputs)
   # The new rows are copied out at the end of a row: never from a row input, which an
   # earlier copy of the same row may have overwritten (a rule that swaps two slots).
-  outs = [c.emit(_COPY, c.uniform[r], r) if r in fixed else r for r in outs]
+  outs = [_copy(c, r) if r in fixed else r for r in outs]
   if jit:
     c.contract(outs)
   outs = _without_barriers(c, scalars[zero_scalar], outs, fixed)
+  for op in c.row_ops:  # the ops on per-row values run on one lane (a row's sum reads all)
+    if op[1] in c.per_row and op[0] != _ROW_SUM:
+      op[0] |= _ONE_LANE
   num_regs, prologue, row_ops, outs = _allocated(c, len(inputs), outs)
   header = (num_regs, len(prologue), len(row_ops), outs[0], num_slots, *outs[1:])
   code = header + tuple(v for op in (*prologue, *row_ops) for v in op)
@@ -409,17 +535,22 @@ def _without_barriers(c: _Compiler, zero: int, outs: list[int], fixed: set[int])
       op[2 : 2 + n] = [source(r) for r in op[2 : 2 + n]]
   outs = [source(r) for r in outs]
   # An output aliased back to an input (a rule returning a rounded input) is copied.
-  return [c.emit(_COPY, c.uniform[r], r) if r in fixed else r for r in outs]
+  return [_copy(c, r) if r in fixed else r for r in outs]
+
+
+def _copy(c: _Compiler, r: int) -> int:
+  """A copy of register `r` (of its kind)."""
+  return c.emit(_COPY, c.uniform[r], r, per_row=r in c.per_row)
 
 
 def _reads(op: Sequence[int]) -> list[int]:
   """The registers an op reads."""
-  code = op[0]
+  code = op[0] & ~_ONE_LANE
   if code in (_CONST, _SCALAR):
     return []
   if code in (_SELECT, _FMA, _FMS, _FNMA):
     return list(op[2:5])
-  if code in (_COPY, *_UNARY.values(), _NOT, _BOOL_TO_F32):
+  if code in (_COPY, *_UNARY.values(), _NOT, _BOOL_TO_F32, _ROW_SUM, _BROADCAST):
     return [op[2]]
   return list(op[2:4])
 
@@ -451,8 +582,11 @@ def _allocated(
   free: list[int] = []
   num_regs = first_row
   renumbered_rows = []
+  outputs = set(outs)
   for i, op in enumerate(row_ops):
-    if free:
+    # An output gets a register of its own: written by its op alone, the kernel can compute
+    # it straight into its table (`row_program.cc`'s outputs in place).
+    if free and op[1] not in outputs:
       number[op[1]] = free.pop()
     else:
       number[op[1]] = num_regs

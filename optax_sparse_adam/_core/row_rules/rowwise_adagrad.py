@@ -12,7 +12,8 @@ FBGEMM's weight-decay modes are the pipeline's (`rules.StepConfig`): L2 (mode 1:
 decoupled (mode 2: `w' = (1 - lr * wd) w - mult * g`); its `max_norm` is the
 pipeline's renormalisation after the step. Differs from FBGEMM only in
 rounding: the row sum is added pairwise in a fixed order
-(`rowwise_adam.pairwise_row_sum`), and the mean is a product with `1 / D`.
+(`osa.row_sum`, which the CPU row program runs as one op), and the mean is a
+product with `1 / D`.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ import jax
 import jax.numpy as jnp
 
 from optax_sparse_adam._core.row_rules.adam import block_arithmetic
-from optax_sparse_adam._core.row_rules.rowwise_adam import inverse_row_size, pairwise_row_sum
+from optax_sparse_adam._core.row_rules.rowwise_adam import inverse_row_size
+from optax_sparse_adam._core.row_sum import row_sum
 from optax_sparse_adam._core.rules import (
   CatchUp,
   RowBlock,
@@ -60,7 +62,7 @@ class RowwiseAdagradRule:
     g = block.grad.astype(block.compute_dtype)
     n = g.shape[0]
     row_size = math.prod(g.shape[1:])
-    mean_square = pairwise_row_sum(r(g * g).reshape(n, row_size))
+    mean_square = row_sum(r(g * g))
     if row_size != 1:
       mean_square = r(mean_square * c(inverse_row_size(row_size, block.compute_dtype)))
     total = store("sum", block.slots["sum"].astype(block.compute_dtype) + mean_square)

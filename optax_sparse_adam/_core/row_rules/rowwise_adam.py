@@ -51,24 +51,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from optax_sparse_adam._core.row_rules.adam import AdamHyperparams, block_arithmetic
+from optax_sparse_adam._core.row_sum import pairwise_row_sum as pairwise_row_sum
+from optax_sparse_adam._core.row_sum import row_sum
 from optax_sparse_adam._core.rules import CatchUp, RowBlock, Slot, StepConfig
-
-
-def pairwise_row_sum(x: jax.Array) -> jax.Array:
-  """The sum over axis 1 of `(n, w)` values in a fixed order: halves added until one is left.
-
-  Each round adds the second half (`w // 2` values) to the first, element by
-  element, and carries the odd last value along; the CPU kernel sums in the
-  same order. Zero for `w == 0`.
-  """
-  if x.shape[1] == 0:
-    return jnp.zeros(x.shape[:1], x.dtype)
-  while x.shape[1] > 1:
-    width = x.shape[1]
-    half = width // 2
-    summed = x[:, :half] + x[:, half : 2 * half]
-    x = jnp.concatenate([summed, x[:, 2 * half :]], axis=1) if width % 2 else summed
-  return x[:, 0]
 
 
 def bias_corrections(
@@ -144,8 +129,7 @@ class RowwiseAdamRule:
     mu_new = store("mu", m + r((g - m) * c(hyper.one_minus_b1)))
 
     row_size = math.prod(grad.shape[1:])
-    squares = r(g * g).reshape(n, row_size)
-    mean_square = pairwise_row_sum(squares)
+    mean_square = row_sum(r(g * g))
     if row_size != 1:
       # (A row of one value is its square, already rounded: a second `rounded`
       # would cancel the first, two XORs with the same zero.)
