@@ -13,7 +13,7 @@ backend's choice:
   round trip per iteration on a GPU) and no write into a whole table.
 
 All return the same `bcoo.CoalescedRows` bit for bit: each row's entries are
-summed in input order from +0.0.
+summed in input order from -0.0 (`segment_sum`).
 """
 
 from __future__ import annotations
@@ -165,18 +165,30 @@ def _after(x: jax.Array, dependency: jax.Array) -> jax.Array:
 
 
 def segment_sum(
-  values: jax.Array, segment: jax.Array, *, indices_are_sorted: bool = False
+  values: jax.Array, segment: jax.Array, used: jax.Array, *, indices_are_sorted: bool = False
 ) -> jax.Array:
   """Sums `values` into their slots, in input order; entries with slot `nse` are dropped.
 
-  Slots that receive no entry (the padding slots) hold zeros. `indices_are_sorted`
-  promises that `segment` is ascending.
+  Each used slot's sum starts from -0.0, the identity of float addition (-0.0 + x is x,
+  either zero included), so it is its first entry plus the others, as torch's `coalesce`
+  copies a row's first entry and adds the rest: entries that are all -0.0 sum to -0.0
+  (from +0.0 they would give +0.0; the CPU kernels' `kSumStart` is the same). Slots that
+  receive no entry (the padding slots) hold +0.0.
+
+  Args:
+    values: `(nse, ...)` the entries.
+    segment: int32 `(nse,)` each entry's slot; a slot past the last (`slots`) drops it.
+    used: bool `(slots,)` the slots that receive an entry.
+    indices_are_sorted: promises that `segment` is ascending.
+
+  Returns:
+    `(slots, ...)` the slots' sums.
   """
-  return (
-    jnp.zeros_like(values)
-    .at[segment]
-    .add(values, mode="drop", indices_are_sorted=indices_are_sorted)
-  )
+  slots = used.shape[0]
+  used = used.reshape(used.shape + (1,) * (values.ndim - 1))
+  start = jnp.where(used, jnp.array(-0.0, values.dtype), jnp.array(0.0, values.dtype))
+  start = jnp.broadcast_to(start, (slots, *values.shape[1:]))
+  return start.at[segment].add(values, mode="drop", indices_are_sorted=indices_are_sorted)
 
 
 def coalesce_rows(rows: jax.Array, values: jax.Array, num_rows: int) -> CoalescedRows:
@@ -261,7 +273,8 @@ def coalesce_and_gather_rows(
     assert table is not None and old_rows is not None  # chosen among the arrays
     segment, tables[scratch] = segments_by_marking(rows, sorted_rows, table, old_rows)
   gathered += [None if t is None else gather_rows(t, unique_rows) for t in read_only]
-  return CoalescedRows(unique_rows, segment_sum(values, segment)), gathered, tables
+  summed = segment_sum(values, segment, unique_rows < num_rows)
+  return CoalescedRows(unique_rows, summed), gathered, tables
 
 
 def coalesce_by_one_sort(rows: jax.Array, values: jax.Array, num_rows: int) -> CoalescedRows:
@@ -276,7 +289,9 @@ def coalesce_by_one_sort(rows: jax.Array, values: jax.Array, num_rows: int) -> C
   # Out-of-range ids sort last, so their slot `nse` (dropped) keeps the slots sorted.
   segment = jnp.where(sorted_ids < num_rows, numbered.rank, nse)
   sorted_values = values.at[order].get(mode="promise_in_bounds", unique_indices=True)
-  summed = segment_sum(sorted_values, segment, indices_are_sorted=True)
+  summed = segment_sum(
+    sorted_values, segment, numbered.unique_rows < num_rows, indices_are_sorted=True
+  )
   return CoalescedRows(numbered.unique_rows, summed)
 
 

@@ -17,7 +17,7 @@ occupy a range of the sorted keys fixed when the step is traced (its entries'
 count), as its summed rows occupy a fixed window of the segment sum: each
 table's result is a static slice, and it equals what its own sort gives bit
 for bit (the sort is stable and the positions ascend within a table, so each
-row's entries are summed in input order from +0.0, as on one table).
+row's entries are summed in input order from -0.0, as on one table).
 
 Tables of different row widths or gradient dtypes share the sort; each width
 and dtype has its own gather and segment sum (the tables are ordered by
@@ -37,6 +37,7 @@ import numpy as np
 from jax import lax
 
 from optax_sparse_adam._core.bcoo import CoalescedRows
+from optax_sparse_adam._core.coalesce import segment_sum
 
 # The largest key of a one-key sort (int32); a larger sum of tables sorts by (table, row).
 MAX_KEY = int(np.iinfo(np.int32).max)
@@ -134,15 +135,17 @@ def coalesce_tables(grads: Sequence[TableGrad], *, max_key: int = MAX_KEY) -> li
     members = range(start, start + len(group))
     start += len(group)
     lo, hi = bases[members[0]], bases[members[-1] + 1]
-    slot_lo, slot_hi = windows[members[0]], windows[members[-1] + 1]
+    slot_lo = windows[members[0]]
     values = jnp.concatenate([ordered[t].values for t in members])
     gathered = values.at[order[lo:hi] - np.int32(lo)].get(
       mode="promise_in_bounds", unique_indices=True
     )
-    summed = (
-      jnp.zeros((slot_hi - slot_lo, *values.shape[1:]), values.dtype)
-      .at[segment[lo:hi] - np.int32(slot_lo)]
-      .add(gathered, mode="drop", indices_are_sorted=True)
+    # The slots of the group's tables that receive an in-range row (not the spare slots).
+    used = jnp.concatenate(
+      [distinct[windows[t] : windows[t + 1]] < ordered[t].num_rows for t in members]
+    )
+    summed = segment_sum(
+      gathered, segment[lo:hi] - np.int32(slot_lo), used, indices_are_sorted=True
     )
     for t in members:
       grad, window = ordered[t], windows[t]

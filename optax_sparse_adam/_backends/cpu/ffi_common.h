@@ -419,15 +419,21 @@ inline float SumRounded(float x) {
   return x;
 }
 
+// Where a row's sum starts: -0.0, the identity of float addition (-0.0 + x is x for
+// every x, either zero included; a NaN comes out quiet), so a sum is its first entry
+// plus the others in order, as torch's coalesce copies a row's first entry and adds
+// the rest: a lone -0.0, or -0.0s alone, stay -0.0 (from +0.0 they became +0.0).
+constexpr float kSumStart = -0.0f;
+
 // `g[0:kWidth]` = the sum of `values[position[e] * row_size:][0:kWidth]` for e in
-// [begin, end), added in that order from +0.0 (-0.0 + 0.0 is +0.0), each add
-// rounded to T (`SumRounded`); the sums stay in registers over the entries.
+// [begin, end), added in that order from `kSumStart`, each add rounded to T
+// (`SumRounded`); the sums stay in registers over the entries.
 template <int64_t kWidth, typename T>
 inline void SumEntriesBlock(float* __restrict__ g, const T* __restrict__ values,
                             const uint32_t* __restrict__ position, int64_t begin, int64_t end,
                             int64_t row_size) {
   float acc[kWidth];
-  for (int64_t k = 0; k < kWidth; ++k) acc[k] = 0.0f;
+  for (int64_t k = 0; k < kWidth; ++k) acc[k] = kSumStart;
   for (int64_t e = begin; e < end; ++e) {
     const T* v = values + static_cast<int64_t>(position[e]) * row_size;
     for (int64_t k = 0; k < kWidth; ++k) acc[k] = SumRounded<T>(acc[k] + ToFloat(v[k]));
@@ -464,8 +470,8 @@ __attribute__((target("avx,f16c"))) inline void SumEntriesF16C(
     const uint32_t* __restrict__ position, int64_t begin, int64_t end, int64_t row_size,
     int64_t j) {
   for (; j + 16 <= row_size; j += 16) {
-    __m256 a0 = _mm256_setzero_ps();
-    __m256 a1 = _mm256_setzero_ps();
+    __m256 a0 = _mm256_set1_ps(kSumStart);
+    __m256 a1 = _mm256_set1_ps(kSumStart);
     for (int64_t e = begin; e < end; ++e) {
       const uint16_t* v = values + static_cast<int64_t>(position[e]) * row_size + j;
       a0 = RoundedToF16(_mm256_add_ps(a0, LoadF16(v)));
@@ -475,7 +481,7 @@ __attribute__((target("avx,f16c"))) inline void SumEntriesF16C(
     _mm256_storeu_ps(g + j + 8, a1);
   }
   for (; j + 8 <= row_size; j += 8) {
-    __m256 a = _mm256_setzero_ps();
+    __m256 a = _mm256_set1_ps(kSumStart);
     for (int64_t e = begin; e < end; ++e) {
       const uint16_t* v = values + static_cast<int64_t>(position[e]) * row_size + j;
       a = RoundedToF16(_mm256_add_ps(a, LoadF16(v)));
@@ -490,7 +496,7 @@ __attribute__((target("avx,f16c"))) inline void SumEntriesF16C(
 // four (one) registers, so that four chains of dependent adds are in flight: each add in
 // float32, rounded to bfloat16 by `Bf16Bits<false>`'s integer ops lane by lane (to
 // nearest, ties to even; NaN to the quiet NaN of its sign) and kept widened (its low 16
-// bits zero). The first entry's sum `0 + v` is exact (v is bfloat16): only its NaNs are
+// bits zero). The first entry's sum `kSumStart + v` is v (v is bfloat16): only its NaNs are
 // replaced. GCC left the portable loop's rounding scalar.
 __attribute__((target("avx2"))) inline __m256 LoadBf16(const uint16_t* v) {
   const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(v));
@@ -520,11 +526,11 @@ __attribute__((target("avx2"))) inline void SumBf16Block(float* __restrict__ g,
                                                          int64_t begin, int64_t end,
                                                          int64_t row_size) {
   __m256 a[kVectors];
-  for (int k = 0; k < kVectors; ++k) a[k] = _mm256_setzero_ps();
+  for (int k = 0; k < kVectors; ++k) a[k] = _mm256_set1_ps(kSumStart);
   if (begin < end) {
     const uint16_t* v = values + static_cast<int64_t>(position[begin]) * row_size;
     for (int k = 0; k < kVectors; ++k) {
-      const __m256 sum = _mm256_add_ps(a[k], LoadBf16(v + 8 * k));  // -0.0 + 0.0 is +0.0
+      const __m256 sum = _mm256_add_ps(a[k], LoadBf16(v + 8 * k));  // exactly v, NaN quieted
       a[k] = QuietNaNs(sum, sum);
     }
   }

@@ -11,7 +11,7 @@
 // in _core/row_rules/adam.py, `RowwiseAdamRule` in _core/row_rules/rowwise_adam.py), operation for
 // operation: every product and sum is rounded on its own (compiled with
 // -ffp-contract=off, so no FMA), square root and division are IEEE, and
-// duplicate entries are summed in input order starting from +0.0, as XLA's
+// duplicate entries are summed in input order starting from -0.0, as XLA's
 // scatter-add does. The XLA ops round weight decay's products where they stand
 // too (`adam.rounded`), so the two paths agree bit for bit with every option
 // (docs/architecture.md, "One numerics contract"); tests check it.

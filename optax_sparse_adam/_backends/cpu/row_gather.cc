@@ -6,7 +6,7 @@
 //
 // XLA:CPU sorts, searches and gathers element by element; this sorts the rows
 // (`ffi_common.h`'s stable radix sort), sums each row's entries in input order
-// from +0.0, each add rounded to the gradient's dtype (float32, bfloat16 or float16), as
+// from -0.0, each add rounded to the gradient's dtype (float32, bfloat16 or float16), as
 // `coalesce.coalesce_and_gather_rows` sums them, and copies each
 // table's row bytes at each distinct row, zeros at padding slots (as
 // `bcoo.gather_rows` fills them): XLA's bits by construction.
@@ -36,7 +36,7 @@ struct GatheredTable {
   int64_t row_bytes;
 };
 
-// Each distinct row's entries summed in input order from +0.0, every add rounded
+// Each distinct row's entries summed in input order from -0.0, every add rounded
 // to the values' dtype T (float32, bfloat16 bits or `Float16`: as XLA adds 16-bit
 // floats), and every table's row gathered.
 template <typename T>
