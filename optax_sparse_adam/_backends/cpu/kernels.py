@@ -472,7 +472,7 @@ def coalesce_and_gather(
   """`coalesce.coalesce_and_gather_rows` (a `Coalescer`) by one call of the generic kernel.
 
   `row_gather.cc`: the gradient's rows coalesced (each row's entries summed in
-  input order from +0.0, each add rounded to the values' dtype) and every
+  input order from -0.0, each add rounded to the values' dtype) and every
   table's rows gathered at them (zeros at padding), the same bits as the XLA
   ops. The tables are left untouched.
   """
