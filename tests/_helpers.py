@@ -69,7 +69,7 @@ def fmix32(x):
 def assert_paths_agree(a, b) -> None:
   """Two paths' results: equal in every bit on the CPU, close on other backends.
 
-  On the CPU every path sums a row's duplicates from +0.0 in input order, so their
+  On the CPU every path sums a row's duplicates from -0.0 in input order, so their
   bits agree. A GPU's scatter-adds sum duplicates in no fixed order (docs/performance/
   gpu.md: run to run too, without XLA's deterministic-ops flag), so there the paths
   agree to a few roundings of the leaf's dtype, relative to the leaf's largest value.

@@ -14,7 +14,7 @@ and the rule's slots of the distinct rows are gathered, updated and scattered
 back with unique, sorted indices into the donated tables, as on every path. No
 array of the table's size is made besides the donated tables, and there is no
 loop. The sort is stable, so each row's entries are summed in input order from
-+0.0, as the generic path does: on the CPU the two agree bit for bit. A GPU's
+-0.0, as the generic path does: on the CPU the two agree bit for bit. A GPU's
 scatter-add may add a row's entries in another order (the last bits of rows
 with duplicate ids then differ; everything after the sum is the same
 element-wise arithmetic).

@@ -20,7 +20,7 @@ any rule, option, row width and dtype can share a batch: what follows the
 coalescing is each table's own pipeline.
 
 Results equal `accelerator.masked_step`'s table by table, bit for bit on the
-CPU (each row's entries summed in input order from +0.0, as on one table).
+CPU (each row's entries summed in input order from -0.0, as on one table).
 """
 
 from collections.abc import Sequence

@@ -104,7 +104,7 @@ def _coalesce_cases(values_dtype):
   scale = np.resize([1, 1e3, 1e-3, 1, 1e-6, 3e4], width)
   values = rng.standard_normal((nse, width)).astype(np.float32) * scale
   values = np.clip(values, -6e4, 6e4)
-  values[1] = -0.0  # a sum from +0.0: -0.0 + ... is not -0.0
+  values[1] = -0.0  # -0.0 + ...: a sum from -0.0 (a row of -0.0s alone stays -0.0)
   values[5, 2] = values[2, 17] = np.nan
   tables = [
     jnp.asarray(rng.standard_normal((ROWS, width)), dtype)

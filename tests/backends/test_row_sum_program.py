@@ -269,9 +269,8 @@ class UserPeak:
   "use_jit", [True, pytest.param(False, marks=pytest.mark.slow)], ids=["jit", "eager"]
 )
 def test_maximum_and_minimum_keep_the_xla_ops_bits_for_signed_zeros_and_nans(use_jit):
-  # (-0.0 on the slots' side: their initial value; a gradient's -0.0 alone in its row is
-  # summed to +0.0 by the kernels' coalescing, kept by the XLA ops' with one entry.)
-  specials = np.array([0.0, 2.0, np.nan, -np.nan, np.inf, -np.inf, 1.0, -1.0], np.float32)
+  # (-0.0 on the slots' side too: their initial value.)
+  specials = np.array([0.0, -0.0, 2.0, np.nan, -np.nan, np.inf, -np.inf, 1.0, -1.0], np.float32)
   width = len(specials) ** 2  # every pair of a gradient's value and a slot's
   g_values = np.repeat(specials, len(specials))
   runs = {}
