@@ -167,7 +167,7 @@ def _after(x: jax.Array, dependency: jax.Array) -> jax.Array:
 def segment_sum(
   values: jax.Array, segment: jax.Array, used: jax.Array, *, indices_are_sorted: bool = False
 ) -> jax.Array:
-  """Sums `values` into their slots, in input order; entries with slot `nse` are dropped.
+  """Sums `values` into their slots, in input order; entries past the last slot are dropped.
 
   Each used slot's sum starts from -0.0, the identity of float addition (-0.0 + x is x,
   either zero included), so it is its first entry plus the others, as torch's `coalesce`
