@@ -5,7 +5,7 @@ torch's `coalesce` copies a row's first entry and adds the others, so a lone -0.
 addition), which is the same. The sign shows in a -0.0 parameter's SGD or Adagrad step:
 `-0.0 - lr * -0.0` is +0.0, `-0.0 - lr * +0.0` is -0.0. Checked: each coalescing (the CPU
 kernel, the XLA ops' three ways, the table-batched one) against torch's coalesce, bit for
-bit, in float32 and bfloat16; and jitted steps of SGD, Adagrad, Adam and FTRL on every
+bit, in float32, bfloat16 and float16; and jitted steps of SGD, Adagrad, Adam and FTRL on every
 CPU path (fused kernels, generic kernels, row program, XLA ops, the accelerator step
 forced on the CPU) against the XLA ops' and, for SGD and Adagrad, against torch's, over a
 gradient of one entry (which XLA's simplifier once took alone, keeping its -0.0) and one
@@ -90,6 +90,7 @@ def _all_coalescings(grads):
   [
     (jnp.float32, True),
     (jnp.bfloat16, True),
+    pytest.param(jnp.float16, True, marks=pytest.mark.slow),
     pytest.param(jnp.float32, False, id="eager", marks=pytest.mark.slow),  # op by op: 7 s
   ],
 )
@@ -100,7 +101,7 @@ def test_every_coalescing_keeps_torchs_signed_zeros(dtype, use_jit):
   runs = (jax.jit(_all_coalescings) if use_jit else _all_coalescings)(grads)
   for name, (ids, values) in GRADS.items():
     want_rows, want_values = _torch_coalesced(ids, values)
-    want_values = np.asarray(jnp.asarray(want_values, dtype))  # every value exact in bfloat16
+    want_values = np.asarray(jnp.asarray(want_values, dtype))  # every value exact in 16 bits
     n = len(want_rows)
     for way, got in runs[name].items():
       np.testing.assert_array_equal(np.asarray(got.rows[:n]), want_rows, err_msg=way)
