@@ -3,7 +3,7 @@
 // op list this interprets).
 //
 // The gradient's rows are coalesced as every kernel coalesces them
-// (`ffi_common.h`: each row's entries summed in input order from +0.0), and on
+// (`ffi_common.h`: each row's entries summed in input order from -0.0), and on
 // each distinct row the program runs over registers of kChunk columns, chunk by
 // chunk: register 0 is the row's summed gradient (in the output), 1 the
 // parameter's row, 2.. each slot's row, all read where they lie (donated tables
@@ -36,7 +36,7 @@
 
 namespace {
 
-// `row_program.py`'s op codes. Each op is 5 int32s: code, dst, a, b, c.
+// `row_program_format.py`'s op codes. Each op is 5 int32s: code, dst, a, b, c.
 enum OpCode : int32_t {
   kConst = 0,    // dst = the float32 (or 32-bit) value with bits a
   kScalar = 1,   // dst = scalars[a]
@@ -70,7 +70,7 @@ enum OpCode : int32_t {
   kBroadcast = 29,  // every lane of dst = lane 0 of a (a per-row value over the row)
   kNumOps = 30,
 };
-// Flags an op on per-row values (`row_program_ops._ONE_LANE`): it runs on lane 0 only.
+// Flags an op on per-row values (`row_program_format.ONE_LANE`): it runs on lane 0 only.
 constexpr int32_t kOneLane = 256;
 constexpr int64_t kOpWidth = 5;
 constexpr int64_t kHeader = 5;  // num_regs, num_prologue_ops, num_row_ops, out_reg, num_slots

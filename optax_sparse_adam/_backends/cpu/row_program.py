@@ -44,8 +44,8 @@ from jax import lax
 from jax.extend import core as jex_core
 
 from optax_sparse_adam._backends import choice
-from optax_sparse_adam._backends.cpu import moment_steps, row_program_ops
-from optax_sparse_adam._backends.cpu.row_program_ops import Program
+from optax_sparse_adam._backends.cpu import moment_steps, row_program_format, row_program_ops
+from optax_sparse_adam._backends.cpu.row_program_format import Program
 from optax_sparse_adam._core import rounding
 from optax_sparse_adam._core.rules import (
   RowBlock,
@@ -223,7 +223,7 @@ def masked_step(inputs: StepInputs, plan: StepPlan, *, jit: bool = True) -> Rows
   if inputs.step is not None:
     given.append(jnp.asarray(inputs.step))
   # The uniform values the kernel does not compute, computed here by XLA (`row_program_ops`).
-  given += row_program_ops.hoisted_scalars(traced.program, given)
+  given += row_program_format.hoisted_scalars(traced.program, given)
   scalars = [_lane_bits(x) for x in given]
   param = tables.param if tables.param is not None else jnp.zeros((0,), jnp.float32)
   n = len(slots)
@@ -296,7 +296,7 @@ def report(rule: Any, hyper: Any, *, dense_shape: Sequence[int], maximize: bool 
   traced = _program(rule, maximize, row_shape, key[0], key[1], jnp.dtype(jnp.int32), True)
   if traced.program is not None:
     code = traced.program.code
-    ops = (len(code) - 5 - len(rule.slots())) // row_program_ops.OP_WIDTH - code[
+    ops = (len(code) - 5 - len(rule.slots())) // row_program_format.OP_WIDTH - code[
       1
     ]  # the ops of each row
     return f"the {rule.name!r} rule runs the row program ({ops} ops)"

@@ -24,32 +24,38 @@ register is its own).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jex_core
 
+from optax_sparse_adam._backends.cpu.row_program_format import (
+  BINARY,
+  BITS,
+  BOOL_TO_F32,
+  BROADCAST,
+  COMPARE,
+  CONST,
+  FMA,
+  FMS,
+  FNMA,
+  INPUT_REGS,
+  NOT,
+  ONE_LANE,
+  OP_WIDTH,
+  ROW_SUM,
+  SCALAR,
+  SELECT,
+  UNARY,
+  Program,
+  Recipe,
+  allocated,
+  copy_of,
+  registers_read,
+  without_barriers,
+)
 from optax_sparse_adam._core.row_sum import ROW_SUM_NAME
-
-# Op codes: `OpCode` in row_program.cc (each op is 5 ints: code, dst, a, b, c).
-_CONST, _SCALAR, _COPY = 0, 1, 2
-_BINARY = {"add": 3, "sub": 4, "mul": 5, "div": 6, "max": 7, "min": 8}
-_UNARY = {"neg": 9, "abs": 10, "sqrt": 11, "sign": 12}
-_BITS = {"xor": 13, "and": 14, "or": 15}
-_COMPARE = {"lt": 16, "le": 17, "gt": 18, "ge": 19, "eq": 20, "ne": 21}
-_SELECT, _NOT, _BOOL_TO_F32 = 22, 23, 24
-# Fused multiply-adds, as XLA:CPU contracts a product into its one sum under jit:
-# a * b + c, a * b - c, c - a * b (each rounded once).
-_FMA, _FMS, _FNMA = 25, 26, 27
-# A per-row value: a row's sum (`osa.row_sum`: lane 0 of dst = the pairwise sum of a's
-# lanes), and a per-row value broadcast over the row (every lane of dst = lane 0 of a).
-_ROW_SUM, _BROADCAST = 28, 29
-# Flags an op on per-row values: run on one lane (the kernel strips it from the code).
-_ONE_LANE = 256
-OP_WIDTH = 5
-# Header: num_regs, num_prologue_ops, num_row_ops, out_reg, num_slots, then each slot's reg.
-_INPUT_REGS = 2  # 0: the row's summed gradient, 1: the parameter's row; then each slot's row
 
 _F32, _I32, _U32, _BOOL = (jnp.dtype(t) for t in (jnp.float32, jnp.int32, jnp.uint32, jnp.bool_))
 # Primitives that pass their operand's bits through (a no-op on 32-bit lanes).
@@ -58,43 +64,6 @@ _PASS = ("copy", "copy_p", "optimization_barrier")
 # or a row's values (the block's shape, or the row flattened).
 UNIFORM, PER_ROW, ROW = "uniform", "per_row", "row"
 _REDUCTIONS = ("reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or")
-
-
-class Recipe(NamedTuple):
-  """How XLA computes a uniform value: `primitive` bound to `args` (recipes) with `params`;
-  a call's k-th scalar where `primitive` is None and `params` is k; a constant where
-  `primitive` is None and `params` is a 0-d NumPy array."""
-
-  primitive: Any
-  params: Any
-  args: tuple[Recipe, ...] = ()
-
-
-class Program(NamedTuple):
-  """A compiled row program: the kernel's int32 op list, how many scalars it reads (the
-  call's, then the hoisted ones), and the recipes of the hoisted scalars."""
-
-  code: tuple[int, ...]
-  num_scalars: int
-  hoisted: tuple[Recipe, ...] = ()
-
-
-def hoisted_scalars(program: Program, scalars: Sequence[Any]) -> list[Any]:
-  """The values of `program`'s hoisted scalars, computed by XLA from the call's `scalars`
-  (each in its own dtype), primitive by primitive as the rule's update computes them."""
-  memo: dict[int, Any] = {}
-
-  def value(recipe: Recipe) -> Any:
-    if id(recipe) not in memo:
-      if recipe.primitive is None:
-        params = recipe.params
-        memo[id(recipe)] = scalars[params] if isinstance(params, int) else params
-      else:
-        args = [value(a) for a in recipe.args]
-        memo[id(recipe)] = recipe.primitive.bind(*args, **dict(recipe.params))
-    return memo[id(recipe)]
-
-  return [value(r) for r in program.hoisted]
 
 
 class Refused(Exception):
@@ -139,7 +108,7 @@ class _Compiler:
     """Each sum of a product used by nothing else, as one FMA (XLA:CPU's contraction)."""
     uses: dict[int, int] = {}
     for op in (*self.prologue, *self.row_ops):
-      for r in _reads(op):
+      for r in registers_read(op):
         uses[r] = uses.get(r, 0) + 1
     for r in outs:
       uses[r] = uses.get(r, 0) + 1
@@ -149,13 +118,13 @@ class _Compiler:
       op = self.row_ops_or_prologue(dst)
       mul = self.row_ops_or_prologue(product)
       x, y = mul[2], mul[3]
-      if op[0] == _BINARY["add"]:
+      if op[0] == BINARY["add"]:
         other = op[3] if op[2] == product else op[2]
-        op[:] = [_FMA, dst, x, y, other]
+        op[:] = [FMA, dst, x, y, other]
       elif op[2] == product:  # product - c
-        op[:] = [_FMS, dst, x, y, op[3]]
+        op[:] = [FMS, dst, x, y, op[3]]
       else:  # c - product
-        op[:] = [_FNMA, dst, x, y, op[2]]
+        op[:] = [FNMA, dst, x, y, op[2]]
       self.value.pop(dst, None)
 
   def new(self, uniform: bool, per_row: bool = False) -> int:
@@ -179,10 +148,10 @@ class _Compiler:
       # XLA's algebraic simplifier: A / constant -> A * (1 / constant), the inverse in float32.
       inverse = np.float32(1) / self.value[b]
       b = self.constant(inverse, _F32)
-      dst = self.emit(_BINARY["mul"], uniform, a, b)
+      dst = self.emit(BINARY["mul"], uniform, a, b)
       self.inverse.add(dst)
       return dst
-    dst = self.emit(_BINARY[name], uniform, a, b)
+    dst = self.emit(BINARY[name], uniform, a, b)
     if a in self.value and b in self.value:
       x, y = self.value[a], self.value[b]
       with np.errstate(all="ignore"):
@@ -212,7 +181,7 @@ class _Compiler:
       bits = int(np.asarray(value).astype(np.uint32).view(np.int32))
     else:
       raise Refused(f"a constant of dtype {dtype}")
-    r = self.emit(_CONST, True, bits)
+    r = self.emit(CONST, True, bits)
     self.recipe[r] = Recipe(None, np.asarray(value, dtype))
     if dtype == _F32:
       self.value[r] = np.float32(value)
@@ -236,7 +205,7 @@ class _Compiler:
     contract it, broadcast, into a sum; the sum then refuses it)."""
     if r not in self.per_row:
       return r  # uniform: every lane holds it already
-    dst = self.emit(_BROADCAST, False, r, per_row=False)
+    dst = self.emit(BROADCAST, False, r, per_row=False)
     if r in self.product:
       self.product.add(dst)
     return dst
@@ -259,7 +228,7 @@ class _Compiler:
         "sum's first adds, depending on its fusions; give row_sum opaque_zero=block.opaque_zero "
         "to round it where it stands)"
       )
-    self.reg[out] = self.emit(_ROW_SUM, False, a, per_row=True)
+    self.reg[out] = self.emit(ROW_SUM, False, a, per_row=True)
 
   def run(self, jaxpr: Any, regs: Sequence[int]) -> list[int]:
     for var, r in zip(jaxpr.invars, regs, strict=True):
@@ -313,7 +282,7 @@ class _Compiler:
       # the kernel, by the same primitive from the same values (`hoisted_scalars`).
       if jnp.dtype(eqn.outvars[0].aval.dtype) not in (_F32, _I32, _U32, _BOOL):
         raise
-      self.reg[eqn.outvars[0]] = self.emit(_SCALAR, True, self.first_hoisted + len(self.hoisted))
+      self.reg[eqn.outvars[0]] = self.emit(SCALAR, True, self.first_hoisted + len(self.hoisted))
       self.hoisted.append(recipe)
     self.var_recipe[eqn.outvars[0]] = recipe
     self.recipe.setdefault(self.reg[eqn.outvars[0]], recipe)
@@ -364,7 +333,7 @@ class _Compiler:
         "a negation (a product by -1) of a value known only when the step runs (under jit "
         "LLVM may fold it into the op that uses it, which can change a NaN's sign)"
       )
-    if name in _BINARY and float_op:
+    if name in BINARY and float_op:
       products = [r for r in ins if r in self.product] if jit_sums(self) else []
       if name in ("add", "sub") and (
         len(products) > 1 or any(r not in self.inverse for r in products)
@@ -379,9 +348,9 @@ class _Compiler:
       dst = self.binary(name, uniform, *ins)
       if name in ("add", "sub") and products:
         self.sums.append((dst, products[0]))  # an FMA where the product has no other use
-      if self.row_ops_or_prologue(dst)[0] == _BINARY["mul"]:
+      if self.row_ops_or_prologue(dst)[0] == BINARY["mul"]:
         self.product.add(dst)
-    elif name in _UNARY and float_op:
+    elif name in UNARY and float_op:
       if name == "neg" and ins[0] in self.product and self.jit:
         raise Refused("a negated unrounded product (XLA may contract it into a sum)")
       if name == "neg" and ins[0] not in self.value and self.jit and kind != PER_ROW:
@@ -394,19 +363,19 @@ class _Compiler:
           "a negation of a value known only when the step runs (under jit XLA folds it "
           "into the op that uses it, which can change a NaN's sign)"
         )
-      dst = self.emit(_UNARY[name], uniform, *ins)
+      dst = self.emit(UNARY[name], uniform, *ins)
       if ins[0] in self.value and name in ("neg", "abs", "sqrt"):
         with np.errstate(all="ignore"):
           x = self.value[ins[0]]
           self.value[dst] = {"neg": np.negative, "abs": np.abs, "sqrt": np.sqrt}[name](x)
-    elif name in _BITS and all(d in (_I32, _U32, _BOOL) for d in in_dtypes):
-      dst = self.emit(_BITS[name], uniform, *ins)
+    elif name in BITS and all(d in (_I32, _U32, _BOOL) for d in in_dtypes):
+      dst = self.emit(BITS[name], uniform, *ins)
     elif name == "not" and in_dtypes == [_BOOL]:
-      dst = self.emit(_NOT, uniform, *ins)
-    elif name in _COMPARE and all(d == _F32 for d in in_dtypes):
-      dst = self.emit(_COMPARE[name], uniform, *ins)
+      dst = self.emit(NOT, uniform, *ins)
+    elif name in COMPARE and all(d == _F32 for d in in_dtypes):
+      dst = self.emit(COMPARE[name], uniform, *ins)
     elif name == "select_n" and len(ins) == 3 and in_dtypes[0] == _BOOL:
-      dst = self.emit(_SELECT, uniform, *ins)
+      dst = self.emit(SELECT, uniform, *ins)
     elif name == "integer_pow" and float_op and 1 <= params["y"] <= 4:
       dst = self.integer_pow(ins[0], params["y"], uniform)
     elif name == "square" and float_op:
@@ -444,10 +413,10 @@ class _Compiler:
     acc = None
     while y > 0:
       if y & 1:
-        acc = x if acc is None else self.emit(_BINARY["mul"], uniform, acc, x)
+        acc = x if acc is None else self.emit(BINARY["mul"], uniform, acc, x)
       y >>= 1
       if y > 0:
-        x = self.emit(_BINARY["mul"], uniform, x, x)
+        x = self.emit(BINARY["mul"], uniform, x, x)
     assert acc is not None
     if y_given > 1:
       self.product.add(acc)
@@ -464,7 +433,7 @@ class _Compiler:
     if name == "convert_element_type" and src in (_I32, _U32) and dst in (_I32, _U32):
       return x  # two's complement: the same bits
     if name == "convert_element_type" and src == _BOOL and dst == _F32:
-      return self.emit(_BOOL_TO_F32, uniform, x)
+      return self.emit(BOOL_TO_F32, uniform, x)
     raise Refused(f"{name} from {src} to {dst}")
 
 
@@ -491,123 +460,24 @@ def compile_jaxpr(
   slots' new rows), or `Refused`. Scalar `zero_scalar` is the rounding zero; a slot of
   `per_row_slots` holds one value a row."""
   c = _Compiler(row_shape, jit)
-  per_row = [False] * _INPUT_REGS + [bool(p) for p in per_row_slots]
-  per_row += [False] * (_INPUT_REGS + num_slots - len(per_row))
+  per_row = [False] * INPUT_REGS + [bool(p) for p in per_row_slots]
+  per_row += [False] * (INPUT_REGS + num_slots - len(per_row))
   inputs = [c.new(False, p) for p in per_row]
-  scalars = [c.emit(_SCALAR, True, k) for k in range(num_scalars)]
+  scalars = [c.emit(SCALAR, True, k) for k in range(num_scalars)]
   c.recipe.update({r: Recipe(None, k) for k, r in enumerate(scalars)})
   c.first_hoisted = num_scalars
   outs = c.run(jaxpr.jaxpr, [*inputs, *scalars])
   fixed = set(inputs)
   # The new rows are copied out at the end of a row: never from a row input, which an
   # earlier copy of the same row may have overwritten (a rule that swaps two slots).
-  outs = [_copy(c, r) if r in fixed else r for r in outs]
+  outs = [copy_of(c, r) if r in fixed else r for r in outs]
   if jit:
     c.contract(outs)
-  outs = _without_barriers(c, scalars[zero_scalar], outs, fixed)
+  outs = without_barriers(c, scalars[zero_scalar], outs, fixed)
   for op in c.row_ops:  # the ops on per-row values run on one lane (a row's sum reads all)
-    if op[1] in c.per_row and op[0] != _ROW_SUM:
-      op[0] |= _ONE_LANE
-  num_regs, prologue, row_ops, outs = _allocated(c, len(inputs), outs)
+    if op[1] in c.per_row and op[0] != ROW_SUM:
+      op[0] |= ONE_LANE
+  num_regs, prologue, row_ops, outs = allocated(c, len(inputs), outs)
   header = (num_regs, len(prologue), len(row_ops), outs[0], num_slots, *outs[1:])
   code = header + tuple(v for op in (*prologue, *row_ops) for v in op)
   return Program(tuple(int(v) for v in code), num_scalars + len(c.hoisted), tuple(c.hoisted))
-
-
-def _without_barriers(c: _Compiler, zero: int, outs: list[int], fixed: set[int]) -> list[int]:
-  """The program without `adam.rounded`'s XORs with the rounding zero (identities on the
-  bits, which kept XLA from contracting products: decided above); returns the outputs."""
-  alias: dict[int, int] = {}
-  for ops in (c.prologue, c.row_ops):
-    for op in ops:
-      if op[0] == _BITS["xor"] and zero in (op[2], op[3]):
-        alias[op[1]] = op[3] if op[2] == zero else op[2]
-
-  def source(r: int) -> int:
-    while r in alias:
-      r = alias[r]
-    return r
-
-  for ops in (c.prologue, c.row_ops):
-    ops[:] = [op for op in ops if op[1] not in alias]
-    for op in ops:
-      n = len(_reads(op))
-      op[2 : 2 + n] = [source(r) for r in op[2 : 2 + n]]
-  outs = [source(r) for r in outs]
-  # An output aliased back to an input (a rule returning a rounded input) is copied.
-  return [_copy(c, r) if r in fixed else r for r in outs]
-
-
-def _copy(c: _Compiler, r: int) -> int:
-  """A copy of register `r` (of its kind)."""
-  return c.emit(_COPY, c.uniform[r], r, per_row=r in c.per_row)
-
-
-def _reads(op: Sequence[int]) -> list[int]:
-  """The registers an op reads."""
-  code = op[0] & ~_ONE_LANE
-  if code in (_CONST, _SCALAR):
-    return []
-  if code in (_SELECT, _FMA, _FMS, _FNMA):
-    return list(op[2:5])
-  if code in (_COPY, *_UNARY.values(), _NOT, _BOOL_TO_F32, _ROW_SUM, _BROADCAST):
-    return [op[2]]
-  return list(op[2:4])
-
-
-def _allocated(
-  c: _Compiler, num_inputs: int, outs: list[int]
-) -> tuple[int, list[list[int]], list[list[int]], list[int]]:
-  """The program without dead ops, its registers renumbered: the inputs first, then the
-  uniform values, then the row values, a row register reused once its value is dead."""
-  live = set(outs)
-  kept: list[list[int]] = []
-  for op in reversed([*c.prologue, *c.row_ops]):
-    if op[1] in live:
-      kept.append(op)
-      live.update(_reads(op))
-  kept.reverse()
-  prologue = [op for op in kept if c.uniform[op[1]]]
-  row_ops = [op for op in kept if not c.uniform[op[1]]]
-  number = {r: r for r in range(num_inputs)}
-  for op in prologue:
-    number[op[1]] = len(number)
-  first_row = len(number)
-  last_use: dict[int, int] = {}
-  for i, op in enumerate(row_ops):
-    for r in _reads(op):
-      last_use[r] = i
-  for r in outs:
-    last_use[r] = len(row_ops)
-  free: list[int] = []
-  num_regs = first_row
-  renumbered_rows = []
-  outputs = set(outs)
-  for i, op in enumerate(row_ops):
-    # An output gets a register of its own: written by its op alone, the kernel can compute
-    # it straight into its table (`row_program.cc`'s outputs in place).
-    if free and op[1] not in outputs:
-      number[op[1]] = free.pop()
-    else:
-      number[op[1]] = num_regs
-      num_regs += 1
-    for r in set(_reads(op)):
-      if last_use.get(r) == i and number[r] >= first_row:
-        free.append(number[r])
-    renumbered_rows.append(op)
-
-  def renumber(op: list[int]) -> list[int]:
-    reads = _reads(op)
-    new = list(op)
-    new[1] = number[op[1]]
-    for k, r in enumerate(op[2:5], start=2):
-      if k - 2 < len(reads):
-        new[k] = number[r]
-    return new
-
-  return (
-    max(num_regs, first_row),
-    [renumber(op) for op in prologue],
-    [renumber(op) for op in renumbered_rows],
-    [number[r] for r in outs],
-  )
