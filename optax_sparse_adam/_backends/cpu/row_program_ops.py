@@ -508,7 +508,6 @@ def compile_jaxpr(
   for op in c.row_ops:  # the ops on per-row values run on one lane (a row's sum reads all)
     if op[1] in c.per_row and op[0] != _ROW_SUM:
       op[0] |= _ONE_LANE
-  _reads_first(c, len(inputs))
   num_regs, prologue, row_ops, outs = _allocated(c, len(inputs), outs)
   header = (num_regs, len(prologue), len(row_ops), outs[0], num_slots, *outs[1:])
   code = header + tuple(v for op in (*prologue, *row_ops) for v in op)
@@ -537,26 +536,6 @@ def _without_barriers(c: _Compiler, zero: int, outs: list[int], fixed: set[int])
   outs = [source(r) for r in outs]
   # An output aliased back to an input (a rule returning a rounded input) is copied.
   return [_copy(c, r) if r in fixed else r for r in outs]
-
-
-def _reads_first(c: _Compiler, num_inputs: int) -> None:
-  """Moves each row op that reads a row the kernel overwrites (the gradient's sums, a
-  slot's row) as early as its operands allow: an output whose destination no op reads
-  after the output's first write is computed in place (`row_program.cc`), not copied at
-  the end of each chunk (FTRL's `accumulator`, read by `sqrt(n)` after `n + g * g`).
-
-  The same ops on the same operands (each row register is written once here): the bits
-  do not change, only the order."""
-  overwritten = {0, *range(_INPUT_REGS, num_inputs)}  # not the parameter's row (read only)
-  ordered: list[list[int]] = []
-  for op in c.row_ops:
-    reads = set(_reads(op))
-    if reads & overwritten:
-      after = max((i + 1 for i, other in enumerate(ordered) if other[1] in reads), default=0)
-      ordered.insert(after, op)
-    else:
-      ordered.append(op)
-  c.row_ops[:] = ordered
 
 
 def _copy(c: _Compiler, r: int) -> int:
