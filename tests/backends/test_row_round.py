@@ -360,6 +360,39 @@ def _rule_grads(grad_dtype, steps: int = 3) -> list:
   return grads
 
 
+def _cells(names, fast) -> list:
+  """Each optimizer of `names` on bf16 and f16 tables with a float32 gradient and one in the
+  table's dtype; the cells of `fast` in the default tier, the others slow."""
+  return [
+    pytest.param(
+      name,
+      dtype,
+      grad,
+      id=f"{name}-{dtype}-{grad}",
+      marks=[] if (name, dtype, grad) in fast else [pytest.mark.slow],
+    )
+    for name in sorted(names)
+    for dtype in ("bfloat16", "float16")
+    for grad in ("float32", dtype)
+  ]
+
+
+def _stepped(opt, init, dtype, grads, kernels_on: bool) -> tuple:
+  """`(params, state)` after jitted, donated steps of `opt` on `_special_table()` in `dtype`."""
+  params = {"t": jnp.asarray(_special_table(), dtype)}
+  state = init(opt, params)
+  step = jax.jit(train_step(opt), donate_argnums=(0, 1))
+  with kernels.use_cpu_kernels(kernels_on):
+    for grad in grads:
+      params, state = step(params, state, grad)
+  return params, state
+
+
+def _assert_same_bits(a, b) -> None:
+  for ours, theirs in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+    np.testing.assert_array_equal(_bits(ours), _bits(theirs))
+
+
 # Two cells in the default tier (a slot row and a row-wise slot; each table dtype, a
 # 16-bit gradient: the epilogue is every rule's); the other combinations are slow.
 _RULE_FAST = {
@@ -377,21 +410,7 @@ def _rule_state(opt, params):
   )
 
 
-@pytest.mark.parametrize(
-  "name, dtype, grad_dtype",
-  [
-    pytest.param(
-      name,
-      dtype,
-      grad,
-      id=f"{name}-{dtype}-{grad}",
-      marks=[] if (name, dtype, grad) in _RULE_FAST else [pytest.mark.slow],
-    )
-    for name in sorted(RULE_OPTS)
-    for dtype in ("bfloat16", "float16")
-    for grad in ("float32", dtype)
-  ],
-)
+@pytest.mark.parametrize("name, dtype, grad_dtype", _cells(RULE_OPTS, _RULE_FAST))
 def test_rule_kernels_round_16_bit_rows_in_their_pass_in_xla_bits(name, dtype, grad_dtype):
   """The rule kernels (SGD with momentum, Nesterov, Adagrad, row-wise Adagrad) round a
   bf16/f16 table's rows stochastically in their own pass (`RoundedRows`): three jitted,
@@ -401,17 +420,8 @@ def test_rule_kernels_round_16_bit_rows_in_their_pass_in_xla_bits(name, dtype, g
   opt = RULE_OPTS[name]()
   table0 = _special_table()
   grads = _rule_grads(grad_dtype)
-  runs = {}
-  for on in (True, False):
-    params = {"t": jnp.asarray(table0, dtype)}
-    state = _rule_state(opt, params)
-    step = jax.jit(train_step(opt), donate_argnums=(0, 1))
-    with kernels.use_cpu_kernels(on):
-      for grad in grads:
-        params, state = step(params, state, grad)
-    runs[on] = (params, state)
-  for ours, theirs in zip(jax.tree.leaves(runs[True]), jax.tree.leaves(runs[False]), strict=True):
-    np.testing.assert_array_equal(_bits(ours), _bits(theirs))
+  runs = {on: _stepped(opt, _rule_state, dtype, grads, on) for on in (True, False)}
+  _assert_same_bits(runs[True], runs[False])
   table = np.asarray(runs[True][0]["t"], np.float32)
   assert not np.array_equal(table, table0)
   if dtype == "float16":  # float16's largest value: never rounded into inf
@@ -465,21 +475,7 @@ _OPTION_TARGETS = {
 _OPTION_FAST = {("rowwise_adam_amsgrad_maximize", "bfloat16", "bfloat16")}
 
 
-@pytest.mark.parametrize(
-  "name, dtype, grad_dtype",
-  [
-    pytest.param(
-      name,
-      dtype,
-      grad,
-      id=f"{name}-{dtype}-{grad}",
-      marks=[] if (name, dtype, grad) in _OPTION_FAST else [pytest.mark.slow],
-    )
-    for name in sorted(ADAM_OPTION_OPTS)
-    for dtype in ("bfloat16", "float16")
-    for grad in ("float32", dtype)
-  ],
-)
+@pytest.mark.parametrize("name, dtype, grad_dtype", _cells(ADAM_OPTION_OPTS, _OPTION_FAST))
 def test_adam_option_kernels_round_16_bit_rows_in_their_pass(name, dtype, grad_dtype, monkeypatch):
   """Adam's option kernel (amsgrad, per-row steps, catch-up) and row-wise Adam round a
   bf16/f16 table's rows stochastically in their own pass (`RoundedRows`, the rule kernels'
@@ -492,21 +488,11 @@ def test_adam_option_kernels_round_16_bit_rows_in_their_pass(name, dtype, grad_d
   grads = _rule_grads(grad_dtype)
 
   def run(on: bool) -> tuple:
-    params = {"t": jnp.asarray(table0, dtype)}
-    state = opt.init(params)
-    step = jax.jit(train_step(opt), donate_argnums=(0, 1))
-    with kernels.use_cpu_kernels(on):
-      for grad in grads:
-        params, state = step(params, state, grad)
-    return params, state
-
-  def assert_same_bits(a, b):
-    for ours, theirs in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
-      np.testing.assert_array_equal(_bits(ours), _bits(theirs))
+    return _stepped(opt, lambda o, params: o.init(params), dtype, grads, on)
 
   one_pass = run(True)
   if "catch_up" not in name:
-    assert_same_bits(one_pass, run(False))
+    _assert_same_bits(one_pass, run(False))
   params = {"t": jnp.zeros((NUM_ROWS, DIM), dtype)}
   grad = {"t": _grad((NUM_ROWS, DIM), 1, np.random.default_rng(8), dtype=grad_dtype)}
   hlo = _compile(opt, params, grad).as_text()
@@ -516,5 +502,5 @@ def test_adam_option_kernels_round_16_bit_rows_in_their_pass(name, dtype, grad_d
   with monkeypatch.context() as patch:  # the former path: the kernel, then a second pass
     patch.setattr(kernels, "rounds_in_pass", lambda inputs, plan: False)
     assert "optax_sparse_adam_add_rounded_rows" in _compile(opt, params, grad).as_text()
-    assert_same_bits(one_pass, run(True))
+    _assert_same_bits(one_pass, run(True))
   assert not np.array_equal(np.asarray(one_pass[0]["t"], np.float32), table0)
