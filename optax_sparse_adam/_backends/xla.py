@@ -15,8 +15,8 @@ import jax.numpy as jnp
 import optax
 
 from optax_sparse_adam._core import bcoo, coalesce, rounding
-from optax_sparse_adam._core.row_rules.adam import rounded, rounded_if_narrow
-from optax_sparse_adam._core.row_rules.rowwise_adam import pairwise_row_sum
+from optax_sparse_adam._core.row_rules.adam import pinned, rounded, rounded_if_narrow
+from optax_sparse_adam._core.row_sum import pairwise_row_sum
 from optax_sparse_adam._core.rules import (
   IdleBlock,
   RowBlock,
@@ -223,7 +223,7 @@ def rounded_param_rows(
   parameter's dtype (`rounding.param_store`); padding rows zero.
 
   `param_rows` are the rows as gathered and `delta` the step's update of them, both
-  in the compute dtype. The delta is rounded where it stands (`_pinned`), so that
+  in the compute dtype. The delta is rounded where it stands (`pinned`), so that
   XLA fuses no product of it into the sum: a fused kernel's delta (an output,
   rounded) then gives the same rows (`dispatch`).
   """
@@ -236,38 +236,10 @@ def rounded_param_rows(
     rows=rows,
     row_offset=inputs.row_offset,
   )
-  new = param_rows + _pinned(delta.astype(param_rows.dtype), inputs.opaque_zero)
+  new = param_rows + pinned(delta.astype(param_rows.dtype), inputs.opaque_zero)
   valid = rows < plan.layout.num_rows
   valid = valid.reshape(valid.shape + (1,) * len(plan.layout.dense_shape))
   return jnp.where(valid, store(new), jnp.zeros((), param.dtype))
-
-
-def _pinned(x: jax.Array, opaque_zero: jax.Array | None) -> jax.Array:
-  """`x` rounded where it stands, as `rounded`, by a bit OR with the run-time zero.
-
-  Not `rounded`'s XOR: a delta the rule already rounded (`r(-lr * direction)`) would
-  be XORed twice with the same zero, which LLVM cancels once XLA fuses the two, and
-  XLA:CPU then contracted the rule's product into the sum below (an FMA: SGD with
-  momentum's jitted step stored `w + lr * d` unrounded where the eager step and the
-  kernels store `w + round(lr * d)`). `(x ^ z) | z` simplifies to `x | z` at most.
-  """
-  if opaque_zero is None:
-    return x
-  return _or_bits(x, opaque_zero)
-
-
-@jax.custom_jvp
-def _or_bits(x: jax.Array, opaque_zero: jax.Array) -> jax.Array:
-  int_dtype = {2: jnp.int16, 4: jnp.int32, 8: jnp.int64}[x.dtype.itemsize]
-  bits = jax.lax.bitcast_convert_type(x, int_dtype)
-  return jax.lax.bitcast_convert_type(bits | opaque_zero.astype(int_dtype), x.dtype)
-
-
-@_or_bits.defjvp
-def _or_bits_jvp(primals, tangents):
-  # The identity on values, so on derivatives too (as `rounded`'s rule).
-  x, opaque_zero = primals
-  return _or_bits(x, opaque_zero), tangents[0]
 
 
 def check_slot_rows(rule: Any, new_rows: Any) -> None:

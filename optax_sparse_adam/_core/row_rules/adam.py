@@ -139,20 +139,46 @@ def rounded_if_narrow(x: jax.Array, opaque_zero: jax.Array | None) -> jax.Array:
   return rounded(x, opaque_zero) if x.dtype.itemsize < 4 else x
 
 
-@jax.custom_jvp
-def _xor_bits(x: jax.Array, opaque_zero: jax.Array) -> jax.Array:
+def pinned(x: jax.Array, opaque_zero: jax.Array | None) -> jax.Array:
+  """`x` rounded where it stands, as `rounded`, by a bit OR with the run-time zero.
+
+  For a value that may be `rounded` already (a rule's rounded delta): XORed twice with
+  the same zero, LLVM cancels the pair once XLA fuses them, and XLA:CPU then contracts
+  the product into the sum after it (an FMA); `(x ^ z) | z` simplifies to `x | z` at most.
+  """
+  if opaque_zero is None:
+    return x
+  return _or_bits(x, opaque_zero)
+
+
+def _with_bits(x: jax.Array, opaque_zero: jax.Array, op: Callable) -> jax.Array:
+  """`op` of `x`'s bits and the zero, as `x`'s dtype again (the identity on the bits)."""
   int_dtype = {2: jnp.int16, 4: jnp.int32, 8: jnp.int64}[x.dtype.itemsize]
   bits = lax.bitcast_convert_type(x, int_dtype)
-  return lax.bitcast_convert_type(bits ^ opaque_zero.astype(int_dtype), x.dtype)
+  return lax.bitcast_convert_type(op(bits, opaque_zero.astype(int_dtype)), x.dtype)
 
 
-@_xor_bits.defjvp
-def _xor_bits_jvp(primals, tangents):
+@jax.custom_jvp
+def _xor_bits(x: jax.Array, opaque_zero: jax.Array) -> jax.Array:
+  return _with_bits(x, opaque_zero, lax.bitwise_xor)
+
+
+@jax.custom_jvp
+def _or_bits(x: jax.Array, opaque_zero: jax.Array) -> jax.Array:
+  return _with_bits(x, opaque_zero, lax.bitwise_or)
+
+
+def _identity_jvp(bits_op: Any) -> None:
   # The identity on values, so on derivatives too: without this rule the bitcasts
   # would make every derivative through a step silently zero.
-  x, opaque_zero = primals
-  x_dot, _ = tangents
-  return _xor_bits(x, opaque_zero), x_dot
+  @bits_op.defjvp
+  def _jvp(primals, tangents):
+    x, opaque_zero = primals
+    return bits_op(x, opaque_zero), tangents[0]
+
+
+_identity_jvp(_xor_bits)
+_identity_jvp(_or_bits)
 
 
 class AdamHyperparams(NamedTuple):
